@@ -1,0 +1,7 @@
+"""PEFT LoRA adapters: config validation, key and layout parsing, target resolution, stacked buffers."""
+
+from .config import AdapterConfig
+from .load import Adapter, load_adapter
+from .stack import AdapterStack, LoraBatch
+
+__all__ = ["AdapterConfig", "Adapter", "load_adapter", "AdapterStack", "LoraBatch"]

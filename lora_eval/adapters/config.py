@@ -1,0 +1,93 @@
+"""adapter_config.json: the LoRA settings we honour, and refusal by name of everything we don't compute."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint import read_json
+from ..errors import InputError, UnsupportedError
+
+# Settings that only matter for training or initialisation: inference ignores them.
+IGNORED = {
+    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+    "lora_dropout", "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    "megatron_core", "qalora_group_size", "runtime_config", "ensure_weight_tying", "exclude_modules",
+    "layers_pattern", "target_modules_to_tie",
+}
+HONOURED = {"peft_type", "r", "lora_alpha", "target_modules", "target_parameters", "layers_to_transform",
+            "rank_pattern", "alpha_pattern", "use_rslora", "modules_to_save"}
+# Features that change the forward and that the engine does not implement, with what PEFT calls them.
+REFUSED = {
+    "use_dora": "DoRA (use_dora)", "lora_bias": "LoRA bias (lora_bias)", "bias": "trained biases (bias)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "trainable_token_indices": "trainable tokens",
+    "layer_replication": "layer replication", "use_qalora": "QA-LoRA", "alora_invocation_tokens": "aLoRA",
+    "megatron_config": "Megatron parallel layers", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
+    "arrow_config": "Arrow routing", "kasa_config": "KaSA", "use_bdlora": "BD-LoRA",
+}
+DEFAULTS_OK = {"bias": "none"}
+
+
+@dataclass
+class AdapterConfig:
+    path: Path
+    r: int
+    lora_alpha: float
+    target_modules: list[str] | str | None
+    target_parameters: list[str] = field(default_factory=list)
+    layers_to_transform: list[int] | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    use_rslora: bool = False
+    modules_to_save: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, adapter_dir: Path) -> "AdapterConfig":
+        path = adapter_dir / "adapter_config.json"
+        raw = read_json(path)
+        peft_type = raw.get("peft_type", "LORA")
+        if str(peft_type).upper() != "LORA":
+            raise UnsupportedError(path, f"peft_type '{peft_type}' is not supported (only LORA)", key="peft_type")
+        for key, value in raw.items():
+            if key in IGNORED or key in HONOURED or not value or value == DEFAULTS_OK.get(key):
+                continue
+            feature = REFUSED.get(key, f"the unknown setting '{key}'")
+            raise UnsupportedError(path, f"{feature} is not supported by lora-eval (value {value!r})", key=key)
+        r = raw.get("r", 8)
+        if not isinstance(r, int) or r <= 0:
+            raise InputError(path, f"expected a positive integer rank, found {r!r}", key="r")
+        targets = raw.get("target_modules")
+        if targets is not None and not isinstance(targets, (str, list)):
+            raise InputError(path, f"expected a list of names or a regex string, found {targets!r}",
+                             key="target_modules")
+        if isinstance(targets, str) and targets not in ("all-linear", "all"):
+            try:
+                re.compile(targets)
+            except re.error as e:
+                raise InputError(path, f"not a valid regular expression ({e})", key="target_modules") from None
+        layers = raw.get("layers_to_transform")
+        if isinstance(layers, int):
+            layers = [layers]
+        return cls(
+            path=path, r=r, lora_alpha=float(raw.get("lora_alpha", 8)), target_modules=targets,
+            target_parameters=list(raw.get("target_parameters") or []), layers_to_transform=layers,
+            rank_pattern=dict(raw.get("rank_pattern") or {}), alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+            use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=list(raw.get("modules_to_save") or []),
+        )
+
+    def rank_and_scaling(self, key: str) -> tuple[int, float]:
+        """PEFT's rank and scaling for the module (or `module.parameter`) key, patterns included."""
+        r = self.rank_pattern[_pattern_key(self.rank_pattern, key)] if _pattern_key(self.rank_pattern, key) else self.r
+        a_key = _pattern_key(self.alpha_pattern, key)
+        alpha = float(self.alpha_pattern[a_key]) if a_key else self.lora_alpha
+        return int(r), (alpha / math.sqrt(r) if self.use_rslora else alpha / r)
+
+
+def _pattern_key(patterns: dict, key: str) -> str | None:
+    """The first pattern that matches the end of `key` at a dot boundary (PEFT's get_pattern_key)."""
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return pattern
+    return None

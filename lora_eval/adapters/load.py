@@ -1,0 +1,309 @@
+"""One PEFT adapter folder -> an Adapter: every LoRA factor checked against our model and brought into one form.
+
+Dense targets become (A [r, in], B [out, r]); each MoE layer's experts become gate_up (A [Ea, R, H],
+B [Eb, 2I, R]) and down (A [Ea, r, I], B [Eb, H, r]) with an expert dim Ea/Eb of 1 (shared by all experts)
+or E. Separate gate and up factors are joined block-diagonally (A rows stacked, B block-diagonal), so one
+shrink and one expand serve both. The adapter's scaling is folded into every B.
+
+Expert layouts read (keys after `base_model.model.`, `{x}` = `model.layers.{i}.mlp.experts`):
+  per-expert 2D    {x}.{e}.gate_proj|up_proj|down_proj|w1|w3|w2.lora_A/B.weight       A [r, in], B [out, r]
+  fused / split 3D {x}.gate_up_proj|down_proj|w1|w3|w2.lora_A/B.weight                A [E|1, r, in], B [E|1, out, r]
+  target_parameters (PEFT ParamWrapper; gate_up inner, down outer; told apart by shape)
+                   {x}.base_layer.lora_A.weight [r*E, H] (expert-major), lora_B [2I, r*E] (rank-major)
+                   {x}.lora_A.weight [r*E, I], {x}.lora_B.weight [H, r*E]
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import TensorFiles
+from ..errors import InputError, UnsupportedError
+from .config import AdapterConfig
+from .targets import EXPERT_PROJ, EXPERT_PROJ_3D, Sites, kind_of, layer_of, resolve_targets
+
+PREFIX = "base_model.model."
+LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<ab>[AB])$")
+OVERRIDE_KEY = re.compile(r"^(?P<module>.+?)(?P<copy>\.modules_to_save\.[^.]+|\.base_layer)?\.(?P<param>weight|bias)$")
+
+
+@dataclass
+class ExpertFactors:
+    """LoRA of one MoE layer's experts (scaling folded into B); a part is None when the adapter lacks it."""
+
+    gate_up: tuple[torch.Tensor, torch.Tensor] | None = None  # A [Ea, R, H], B [Eb, 2I, R]
+    down: tuple[torch.Tensor, torch.Tensor] | None = None  # A [Ea, r, I], B [Eb, H, r]
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: Path
+    config: AdapterConfig
+    weights_file: Path
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # A [r, in], B [out, r]
+    experts: dict[str, ExpertFactors] = field(default_factory=dict)
+    embedding: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # A^T [V, r], B [H, r]
+    overrides: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # site -> {weight, bias}
+    layouts: set[str] = field(default_factory=set)
+    targets: list[dict] = field(default_factory=list)  # one row per target for reports: site, kind, rank, ...
+
+    def max_rank(self) -> int:
+        ranks = [A.shape[-2] for A, _ in self.dense.values()] + [A.shape[-1] for A, _ in self.embedding.values()]
+        for f in self.experts.values():
+            ranks += [part[0].shape[-2] for part in (f.gate_up, f.down) if part is not None]
+        return max(ranks, default=0)
+
+
+def read_adapter_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of the adapter's weights file in float32; a `.bin` only through weights_only unpickling."""
+    st, binary = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
+    if st.is_file():
+        files = TensorFiles([st])
+        return {k: files.get(k, dtype=torch.float32) for k in files.keys()}, st
+    if binary.is_file():
+        try:
+            data = torch.load(binary, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(binary, f"refused: not a plain tensor file (loaded with weights_only=True only): {first}") \
+                from None
+        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in data.items()):
+            raise InputError(binary, "expected a dict of tensor names to tensors")
+        return {k: v.float() for k, v in data.items()}, binary
+    raise InputError(adapter_dir, "adapter weights file missing: expected adapter_model.safetensors "
+                     "(or adapter_model.bin)")
+
+
+def load_adapter(adapter_dir: str | Path, name: str, model) -> Adapter:
+    """Read, validate and normalise the PEFT adapter in `adapter_dir` for `model` (our CausalLM)."""
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise InputError(adapter_dir, f"adapter folder for '{name}' not found")
+    config = AdapterConfig.read(adapter_dir)
+    sites = Sites.of(model)
+    resolve_targets(config, sites)
+    tensors, wfile = read_adapter_tensors(adapter_dir)
+    adapter = Adapter(name=name, path=adapter_dir, config=config, weights_file=wfile)
+    parser = _Parser(adapter, sites, wfile)
+    for key, tensor in tensors.items():
+        parser.add(key, tensor)
+    parser.finish()
+    return adapter
+
+
+class _Parser:
+    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path):
+        self.adapter, self.sites, self.wfile = adapter, sites, wfile
+        self.config = adapter.config
+        self.pairs: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}  # (module, family) -> A/B
+        self.expert_parts: dict[str, dict[str, tuple]] = {}  # expert site -> part name -> (A, B)
+        self.per_expert: dict[tuple[str, str], dict[int, tuple]] = {}  # (site, part) -> e -> (A, B, scaling)
+
+    def error(self, key, problem):
+        return InputError(self.wfile, problem, key=key)
+
+    def add(self, key: str, tensor: torch.Tensor):
+        if not key.startswith(PREFIX):
+            raise self.error(key, f"expected adapter keys to start with '{PREFIX}'")
+        k = key[len(PREFIX):]
+        if "lora_magnitude_vector" in k:
+            raise UnsupportedError(self.wfile, "DoRA magnitude vectors are not supported by lora-eval", key=key)
+        if re.search(r"\.lora_[AB]\.bias$", k):
+            raise UnsupportedError(self.wfile, "LoRA bias (lora_bias) is not supported by lora-eval", key=key)
+        for pattern, family in ((LORA_KEY, "lora"), (EMBEDDING_KEY, "embedding")):
+            m = pattern.match(k)
+            if m:
+                self.pairs.setdefault((m["module"], family), {})[m["ab"]] = (key, tensor)
+                return
+        m = OVERRIDE_KEY.match(k)
+        if m and m["module"] in {**self.sites.linear, **self.sites.norm, **self.sites.embedding}:
+            self._override(key, m["module"], m["param"], bool(m["copy"] and "base_layer" in m["copy"]), tensor)
+            return
+        raise self.error(key, "matches no module of this model; was the adapter made for another architecture?")
+
+    def finish(self):
+        for (module, family), ab in self.pairs.items():
+            for side in "AB":
+                if side not in ab:
+                    other_key = next(iter(ab.values()))[0]
+                    raise self.error(other_key.replace(f"_{'B' if side == 'A' else 'A'}", f"_{side}"),
+                                     f"missing: lora_{side} is needed beside {other_key}")
+            (a_key, A), (b_key, B) = ab["A"], ab["B"]
+            if family == "embedding":
+                self._embedding(module, a_key, A, b_key, B)
+            elif module in self.sites.linear:
+                self._dense(module, a_key, A, b_key, B)
+            else:
+                self._expert(module, a_key, A, b_key, B)
+        self._join_experts()
+
+    # ---- dense targets -------------------------------------------------------------------------------
+    def _dense(self, module, a_key, A, b_key, B):
+        lin = self.sites.linear[module]
+        r = self._check(a_key, A, (None, lin.in_features), rank_dim=0)
+        self._check(b_key, B, (lin.out_features, r))
+        param_key = f"{module}.weight"
+        targeted_as_param = any(param_key == p or param_key.endswith(f".{p}") for p in self.config.target_parameters)
+        scaling = self._scaling(a_key, param_key if targeted_as_param else module, r)
+        self.adapter.dense[module] = (A, B * scaling)
+        self._report(module, r, scaling, A.numel() + B.numel(), "dense")
+
+    def _embedding(self, module, a_key, A, b_key, B):
+        if module not in self.sites.embedding:
+            raise self.error(a_key, "embedding LoRA on a module that is not a token embedding of this model")
+        emb = self.sites.embedding[module]
+        V, H = emb.weight.shape
+        r = self._check(a_key, A, (None, V), rank_dim=0)
+        self._check(b_key, B, (H, r))
+        scaling = self._scaling(a_key, module, r)
+        self.adapter.embedding[module] = (A.T.contiguous(), B * scaling)
+        self._report(module, r, scaling, A.numel() + B.numel(), "embedding")
+
+    def _override(self, key, module, param, is_base_copy, tensor):
+        target = {**self.sites.linear, **self.sites.norm, **self.sites.embedding}[module]
+        base = getattr(target, param, None)
+        if base is None:
+            raise self.error(key, f"the model's {module} has no {param}")
+        if tuple(tensor.shape) != tuple(base.shape):
+            if is_base_copy:
+                raise UnsupportedError(self.wfile, f"saved base layer of shape {list(tensor.shape)} differs from the "
+                                       f"model's {list(base.shape)}: resized vocabularies are not supported", key=key)
+            raise self.error(key, f"shape {list(tensor.shape)}, expected {list(base.shape)}")
+        if is_base_copy and torch.equal(tensor.to(base.dtype).cpu(), base.detach().cpu()):
+            return  # PEFT saved an unchanged copy of the base embedding / lm_head: nothing to apply
+        self.adapter.overrides.setdefault(module, {})[param] = tensor
+        self._report(module, 0, 0.0, tensor.numel(), "modules_to_save")
+
+    # ---- experts -------------------------------------------------------------------------------------
+    def _expert(self, module, a_key, A, b_key, B):
+        for site, experts in self.sites.experts.items():
+            if module != site and not module.startswith(site + "."):
+                continue
+            rest = module[len(site):]
+            E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+            dims = {"gate": (H, I), "up": (H, I), "down": (I, H), "gate_up": (H, 2 * I)}
+            if re.fullmatch(r"(\.base_layer)*", rest):
+                self._param_wrapper(site, E, H, I, a_key, A, b_key, B)
+                return
+            m = re.fullmatch(r"\.(\d+)\.(\w+)", rest)
+            if m and m[2] in EXPERT_PROJ and int(m[1]) < E:
+                part, e = EXPERT_PROJ[m[2]], int(m[1])
+                r = self._check(a_key, A, (None, dims[part][0]), rank_dim=0)
+                self._check(b_key, B, (dims[part][1], r))
+                scaling = self._scaling(a_key, module, r)
+                self.per_expert.setdefault((site, part), {})[e] = (A, B * scaling, scaling)
+                self.adapter.layouts.add("per-expert 2D")
+                return
+            m = re.fullmatch(r"\.(\w+)", rest)
+            if m and m[1] in EXPERT_PROJ_3D:
+                part = EXPERT_PROJ_3D[m[1]]
+                if A.dim() != 3 or A.shape[0] not in (1, E):
+                    raise self.error(a_key, f"shape {list(A.shape)}, expected [{E} or 1, r, {dims[part][0]}]")
+                r = self._check(a_key, A, (A.shape[0], None, dims[part][0]), rank_dim=1)
+                if B.dim() != 3 or B.shape[0] not in (1, E):
+                    raise self.error(b_key, f"shape {list(B.shape)}, expected [{E} or 1, {dims[part][1]}, {r}]")
+                self._check(b_key, B, (B.shape[0], dims[part][1], r))
+                scaling = self._scaling(a_key, module, r)
+                self._set_part(site, part, A, B * scaling, a_key, r, scaling)
+                shared = E > 1 and 1 in (A.shape[0], B.shape[0])
+                self.adapter.layouts.add("shared-outer 3D" if shared else "fused 3D")
+                return
+        raise self.error(a_key, "matches no module of this model; was the adapter made for another architecture?")
+
+    def _param_wrapper(self, site, E, H, I, a_key, A, b_key, B):
+        """PEFT target_parameters: A [r*E, in] expert-major, B [out, r*E] rank-major; which param from the shape."""
+        if A.dim() != 2 or B.dim() != 2:
+            raise self.error(a_key, f"expected 2D target_parameters factors, found {list(A.shape)} and {list(B.shape)}")
+        if (A.shape[1], B.shape[0]) == (H, 2 * I):
+            part, param, out = "gate_up", "gate_up_proj", 2 * I
+        elif (A.shape[1], B.shape[0]) == (I, H):
+            part, param, out = "down", "down_proj", H
+        else:
+            raise self.error(a_key, f"shapes {list(A.shape)} / {list(B.shape)} fit neither gate_up_proj "
+                             f"([r*{E}, {H}] / [{2 * I}, r*{E}]) nor down_proj ([r*{E}, {I}] / [{H}, r*{E}])")
+        if A.shape[0] % E or B.shape[1] != A.shape[0]:
+            raise self.error(a_key, f"rank dim {A.shape[0]} (B: {B.shape[1]}) is not r*{E} for {E} experts")
+        r = A.shape[0] // E
+        scaling = self._scaling(a_key, f"{site}.{param}", r)
+        A3 = A.reshape(E, r, A.shape[1])  # [E, r, in]
+        B3 = B.reshape(out, r, E).permute(2, 0, 1).contiguous()  # [E, out, r]
+        self._set_part(site, part, A3, B3 * scaling, a_key, r, scaling)
+        self.adapter.layouts.add("PEFT target_parameters")
+
+    def _set_part(self, site, part, A, B, key, r, scaling):
+        parts = self.expert_parts.setdefault(site, {})
+        if part in parts:
+            raise self.error(key, f"a second LoRA for the {part} projection of {site}")
+        parts[part] = (A, B)
+        self._report(site, r, scaling, A.numel() + B.numel(), f"experts.{part}")
+
+    def _join_experts(self):
+        for (site, part), by_expert in self.per_expert.items():
+            E = self.sites.experts[site].num_experts
+            first_A, first_B, scaling = next(iter(by_expert.values()))
+            A = torch.zeros(E, *first_A.shape)  # [E, r, in]; experts without LoRA stay zero
+            B = torch.zeros(E, *first_B.shape)  # [E, out, r]
+            for e, (Ae, Be, _) in by_expert.items():
+                if Ae.shape != first_A.shape:
+                    raise self.error(f"{site}.{e}", f"rank {Ae.shape[0]} differs from expert "
+                                     f"{next(iter(by_expert))}'s rank {first_A.shape[0]} in one layer")
+                A[e], B[e] = Ae, Be
+            self._set_part(site, part, A, B, f"{site}.{part}", A.shape[1], scaling)
+        for site, parts in self.expert_parts.items():
+            if "gate_up" in parts and ({"gate", "up"} & set(parts)):
+                raise self.error(f"{site}.gate_up_proj", "both a fused gate_up LoRA and separate gate/up LoRA")
+            factors = ExpertFactors(down=parts.get("down"))
+            if "gate_up" in parts:
+                factors.gate_up = parts["gate_up"]
+            elif "gate" in parts or "up" in parts:
+                factors.gate_up = _block_gate_up(parts.get("gate"), parts.get("up"),
+                                                 self.sites.experts[site].intermediate_size)
+            self.adapter.experts[site] = factors
+
+    # ---- shared checks -------------------------------------------------------------------------------
+    def _check(self, key, t, shape, rank_dim=None) -> int:
+        """Check `t` against `shape` (None = the rank, free); return the rank."""
+        ok = t.dim() == len(shape) and all(want is None or got == want for got, want in zip(t.shape, shape))
+        if not ok:
+            want = ", ".join("r" if w is None else str(w) for w in shape)
+            raise self.error(key, f"shape {list(t.shape)}, expected [{want}] for this model; "
+                             "was the adapter made for another model?")
+        return t.shape[rank_dim] if rank_dim is not None else 0
+
+    def _scaling(self, key, pattern_key, r) -> float:
+        want_r, scaling = self.config.rank_and_scaling(pattern_key)
+        if want_r != r:
+            raise self.error(key, f"rank {r} in the weights, but adapter_config.json gives r={want_r} for "
+                             f"'{pattern_key}' (r / rank_pattern)")
+        return scaling
+
+    def _report(self, site, r, scaling, params, what):
+        self.adapter.targets.append(dict(site=site, kind=kind_of(site), part=what, layer=layer_of(site), rank=r,
+                                         scaling=scaling, params=params))
+
+
+def _block_gate_up(gate, up, I):
+    """Separate gate (A [Eg, r1, H], B [Eb, I, r1]) and up LoRA joined: A [Ea, r1+r2, H], B [Eb, 2I, r1+r2]
+    with B block-diagonal, so gate rows see only gate's rank and up rows only up's."""
+    parts = [p for p in (gate, up) if p is not None]
+    Ea = max(p[0].shape[0] for p in parts)
+    Eb = max(p[1].shape[0] for p in parts)
+    H = parts[0][0].shape[-1]
+    ranks = [p[0].shape[1] if p is not None else 0 for p in (gate, up)]
+    A = torch.zeros(Ea, sum(ranks), H)  # [Ea, R, H]
+    B = torch.zeros(Eb, 2 * I, sum(ranks))  # [Eb, 2I, R]
+    if gate is not None:
+        A[:, :ranks[0]] = gate[0]
+        B[:, :I, :ranks[0]] = gate[1]
+    if up is not None:
+        A[:, ranks[0]:] = up[0]
+        B[:, I:, ranks[0]:] = up[1]
+    return A, B

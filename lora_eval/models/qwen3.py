@@ -1,0 +1,232 @@
+"""Qwen3-MoE, Qwen3 and Llama: one decoder family (GQA, RoPE, RMSNorm, SiLU-gated MLP or top-k MoE).
+
+Qwen3 and Qwen3-MoE add per-head q/k RMSNorm; Qwen3-MoE replaces the MLP of sparse layers with a router
+(softmax -> top-k -> renormalise if `norm_topk_prob`) over experts held fused: gate_up [E, 2I, H] (gate rows
+first) and down [E, H, I]. Module paths equal the Hugging Face ones, so checkpoint keys and adapter keys
+address our modules directly; CHECKPOINT_EXPERT_KEYS below is the one place where on-disk names differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InputError, UnsupportedError
+from ..kernels.fused_moe import fused_moe_ref
+from .layers import Embedding, FusedExperts, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+MODEL_TYPES = ("qwen3_moe", "qwen3", "llama")
+
+# fused in-memory expert tensor -> the per-expert on-disk projections stacked into it (in row order)
+CHECKPOINT_EXPERT_KEYS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qk_norm: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
+    rope: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
+        def need(key, *alts):
+            for k in (key, *alts):
+                if config.get(k) is not None:
+                    return config[k]
+            raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'", key=key)
+
+        model_type = config["model_type"]
+        if config.get("hidden_act", "silu") != "silu":
+            raise UnsupportedError(where, f"hidden_act '{config['hidden_act']}' is not supported (silu is)", key="hidden_act")
+        if config.get("use_sliding_window"):
+            raise UnsupportedError(where, "sliding-window attention is not supported for this family",
+                                   key="use_sliding_window")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        layers = int(need("num_hidden_layers"))
+        args = cls(
+            model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden, num_layers=layers,
+            num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config.get("intermediate_size") or 0),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope={k: config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")},
+        )
+        if model_type == "qwen3_moe":
+            args.num_experts = int(need("num_experts", "num_local_experts"))
+            args.top_k = int(need("num_experts_per_tok"))
+            args.moe_intermediate_size = int(need("moe_intermediate_size"))
+            args.norm_topk_prob = bool(config.get("norm_topk_prob", False))
+            step = int(config.get("decoder_sparse_step", 1) or 1)
+            dense = set(config.get("mlp_only_layers") or [])
+            args.sparse_layers = tuple(i for i in range(layers)
+                                       if i not in dense and args.num_experts > 0 and (i + 1) % step == 0)
+            if not 0 < args.top_k <= args.num_experts:
+                raise InputError(where, f"{args.top_k} is not in 1..num_experts ({args.num_experts})",
+                                 key="num_experts_per_tok")
+        if len(args.sparse_layers) < layers and args.intermediate_size <= 0:
+            raise InputError(where, "dense MLP layers need a positive intermediate_size", key="intermediate_size")
+        return args
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__()
+        H, D, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, D
+        self.q_proj = Linear(f"{prefix}.q_proj", H, args.num_heads * D, bias)
+        self.k_proj = Linear(f"{prefix}.k_proj", H, args.num_kv_heads * D, bias)
+        self.v_proj = Linear(f"{prefix}.v_proj", H, args.num_kv_heads * D, bias)
+        self.o_proj = Linear(f"{prefix}.o_proj", args.num_heads * D, H, False)
+        self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x, cos, sin, lora):
+        B, L, _ = cos.shape
+        T = x.shape[0]
+        q = self.q_proj(x, lora).view(T, self.num_heads, self.head_dim)  # [T, nh, D]
+        k = self.k_proj(x, lora).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
+        v = self.v_proj(x, lora).view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q, lora), self.k_norm(k, lora)
+        q = apply_rope(q.view(B, L, self.num_heads, self.head_dim), cos, sin)  # [B, L, nh, D]
+        k = apply_rope(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)  # [B, L, nkv, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, nh, L, D]
+        return self.o_proj(out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim), lora)  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__()
+        H, I, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = Linear(f"{prefix}.gate_proj", H, I, bias)
+        self.up_proj = Linear(f"{prefix}.up_proj", H, I, bias)
+        self.down_proj = Linear(f"{prefix}.down_proj", I, H, bias)
+
+    def forward(self, x, lora):
+        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)  # [T, H]
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
+        self.gate = Linear(f"{prefix}.gate", args.hidden_size, args.num_experts)  # the router
+        self.experts = FusedExperts(f"{prefix}.experts", args.num_experts, args.hidden_size, args.moe_intermediate_size)
+
+    def forward(self, x, lora):
+        logits = self.gate(x, lora)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k], [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        expert_lora, slots = (None, None) if lora is None else lora.experts(self.experts.site)
+        return fused_moe_ref(x, ids, weights.to(x.dtype), self.experts.gate_up_proj, self.experts.down_proj,
+                             expert_lora, slots)  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", args.hidden_size,
+                                                args.rms_norm_eps)
+        self.mlp = SparseMoe(args, f"{prefix}.mlp") if index in args.sparse_layers else MLP(args, f"{prefix}.mlp")
+
+    def forward(self, h, cos, sin, lora):
+        h = h + self.self_attn(self.input_layernorm(h, lora), cos, sin, lora)  # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h, lora), lora)  # [T, H]
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = Embedding("model.embed_tokens", args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm("model.norm", args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """input_ids [B, L] (right-padded) -> final hidden states [B*L, H]; `logits` applies lm_head to some of them."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
+        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope), persistent=False)  # [D/2]
+
+    def forward(self, input_ids: torch.Tensor, lora=None) -> torch.Tensor:
+        B, L = input_ids.shape
+        positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
+        h = self.model.embed_tokens(input_ids.reshape(-1), lora)  # [T, H]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [B, L, D]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, lora)  # [T, H]
+        return self.model.norm(h, lora)  # [T, H]
+
+    def logits(self, h: torch.Tensor, lora=None) -> torch.Tensor:
+        return self.lm_head(h, lora)  # [N, V]
+
+
+def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` read from checkpoint `files` in `dtype`, one tensor in memory at a time.
+    On the meta device only the keys and shapes are checked and nothing is read."""
+    args = model.args
+    weights = {}
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and name not in files and args.tie_word_embeddings:
+            continue  # tied below
+        kind = name.rsplit(".", 1)[-1]
+        if kind in CHECKPOINT_EXPERT_KEYS and name not in files:
+            weights[name] = _read_experts(files, name, param.shape, CHECKPOINT_EXPERT_KEYS[kind], dtype, device)
+        elif device.type == "meta":
+            files.check(name, tuple(param.shape))
+            weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
+        else:
+            weights[name] = files.get(name, tuple(param.shape)).to(device=device, dtype=dtype)
+    if "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def _read_experts(files, name, shape, projections, dtype, device) -> torch.Tensor:
+    """Stack on-disk per-expert 2D weights `{prefix}.{e}.{proj}.weight` into one fused [E, rows, cols] tensor."""
+    prefix = name.rsplit(".", 1)[0]
+    E, rows, cols = shape
+    part = rows // len(projections)
+    fused = torch.empty(E, rows, cols, dtype=dtype, device=device)  # [E, rows, cols]
+    for e in range(E):
+        for j, proj in enumerate(projections):
+            key = f"{prefix}.{e}.{proj}.weight"
+            if device.type == "meta":
+                files.check(key, (part, cols))
+            else:
+                fused[e, j * part:(j + 1) * part] = files.get(key, (part, cols))
+    return fused

@@ -1,0 +1,360 @@
+"""Builders for tests: tiny random checkpoints, LoRA adapters and reference log-probabilities.
+
+Everything is built from seeded random weights, so tests need no model hub. The references
+("oracles") are plain transformers / PEFT models run in float32:
+
+* ``save_random_model`` writes a tiny Qwen3-MoE, Qwen3 or Llama checkpoint.
+* ``save_random_peft_adapter`` writes an adapter through PEFT itself; ``peft_oracle`` loads it back.
+* ``write_expert_adapter`` hand-writes MoE expert adapters in the layouts found in the wild and
+  returns a ``MergedOracle``: the base model with the same deltas merged into its weights.
+* ``hf_logprobs`` turns any of these models into per-token log-probabilities.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.utils import ModulesToSaveWrapper
+from safetensors.torch import save_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+# Relative size of adapter deltas: each delta has about this fraction of the norm of the weight it
+# adapts, which moves log-probabilities by roughly 0.1-1 nats on the tiny models.
+ADAPTER_STRENGTH = 0.2
+# Relative multiplicative noise on modules_to_save copies (norm weights become about 1 + 0.2 * N(0, 1)).
+MODULES_TO_SAVE_NOISE = 0.2
+# Gain on the router and lm_head init, so that routing and next-token distributions are peaked.
+ROUTER_GAIN = 2.0
+LM_HEAD_GAIN = 2.0
+
+LAYOUTS = ("per_expert_2d", "fused_3d", "split_3d", "peft_target_parameters")
+PEFT_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _common_config(**overrides) -> dict:
+    config = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+    config.update(overrides)
+    return config
+
+
+def tiny_qwen3_moe_config(**overrides) -> dict:
+    """Qwen3MoeConfig kwargs: 6 experts, top-2, layer 1 dense (mlp_only_layers=[1])."""
+    moe = dict(
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    )
+    return _common_config(**{**moe, **overrides})
+
+
+def tiny_qwen3_config(**overrides) -> dict:
+    """Qwen3Config kwargs (dense, with q/k norm)."""
+    return _common_config(**overrides)
+
+
+def tiny_llama_config(**overrides) -> dict:
+    """LlamaConfig kwargs."""
+    return _common_config(**overrides)
+
+
+FAMILIES = {
+    "qwen3_moe": (tiny_qwen3_moe_config, Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen3": (tiny_qwen3_config, Qwen3Config, Qwen3ForCausalLM),
+    "llama": (tiny_llama_config, LlamaConfig, LlamaForCausalLM),
+}
+
+
+def _randn(shape, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+
+def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A fresh value for one base-model parameter, scaled by its role."""
+    noise = _randn(param.shape, generator)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * noise
+    if "embed_tokens" in name:
+        return noise
+    if param.ndim == 1:  # biases
+        return 0.1 * noise
+    gain = 1.0
+    if name.endswith("mlp.gate.weight"):  # MoE router
+        gain = ROUTER_GAIN
+    elif "lm_head" in name:
+        gain = LM_HEAD_GAIN
+    return noise * (gain / math.sqrt(param.shape[-1]))  # fan_in is the last dim, for 2D and 3D alike
+
+
+def save_random_model(
+    out_dir, family: str, *, seed: int, dtype=torch.float32, max_shard_size=None, **config_overrides
+) -> Path:
+    """Write a tiny random checkpoint of ``family`` ("qwen3_moe", "qwen3" or "llama") to ``out_dir``."""
+    make_config, config_cls, model_cls = FAMILIES[family]
+    model = model_cls(config_cls(**make_config(**config_overrides))).float()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_random_like(name, param, generator))
+    model.to(dtype)
+    out_dir = Path(out_dir)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir
+
+
+def load_hf(model_dir):
+    """The transformers model in ``model_dir``, in float32 and eval mode."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Per-token log-probabilities, one unpadded sequence at a time: ``lp[i] = log p(seq[i+1] | seq[:i+1])``."""
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("the oracle model must be float32")
+    model.eval()
+    out = []
+    for seq in sequences:
+        ids = torch.tensor([seq])
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0])
+    return out
+
+
+def random_sequences(n: int, vocab: int, *, seed: int, min_len: int = 5, max_len: int = 24) -> list[list[int]]:
+    """``n`` random token sequences with lengths drawn from ``[min_len, max_len]``."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=generator)
+    return [torch.randint(0, vocab, (int(length),), generator=generator).tolist() for length in lengths]
+
+
+# --- adapters written by PEFT -------------------------------------------------------------------
+
+
+def _lora_factors(module: LoraLayer, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (A, B) parameters of one LoRA layer, for linear, parameter and embedding LoRA alike."""
+    if adapter in module.lora_embedding_A:
+        return module.lora_embedding_A[adapter], module.lora_embedding_B[adapter]
+    return module.lora_A[adapter].weight, module.lora_B[adapter].weight
+
+
+def _adapted_weight(module: LoraLayer) -> torch.Tensor:
+    if isinstance(module, ParamWrapper):
+        return module.get_param()
+    return module.get_base_layer().weight
+
+
+@torch.no_grad()
+def _randomise_peft_model(model, adapter: str, generator: torch.Generator) -> None:
+    """Overwrite every trainable adapter tensor; each LoRA delta gets ADAPTER_STRENGTH of its weight's norm."""
+    touched = set()
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and adapter in module.r:
+            lora_a, lora_b = _lora_factors(module, adapter)
+            lora_a.copy_(_randn(lora_a.shape, generator))
+            lora_b.copy_(_randn(lora_b.shape, generator))
+            target_norm = ADAPTER_STRENGTH * _adapted_weight(module).norm()
+            lora_b.mul_(target_norm / module.get_delta_weight(adapter).norm())
+            touched |= {id(lora_a), id(lora_b)}
+        elif isinstance(module, ModulesToSaveWrapper) and adapter in module.modules_to_save:
+            for param in module.modules_to_save[adapter].parameters():
+                param.mul_(1.0 + MODULES_TO_SAVE_NOISE * _randn(param.shape, generator))
+                touched.add(id(param))
+    missed = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in touched]
+    if missed:
+        raise NotImplementedError(f"no random init for adapter parameters {missed}")
+
+
+def save_random_peft_adapter(model_dir, out_dir, *, seed: int, **lora_config_kwargs) -> Path:
+    """Save a PEFT LoRA adapter for the model in ``model_dir`` with every adapter tensor random."""
+    model = get_peft_model(load_hf(model_dir), LoraConfig(**lora_config_kwargs))
+    _randomise_peft_model(model, "default", torch.Generator().manual_seed(seed))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_oracle(model_dir, adapter_dir):
+    """A fresh base model from ``model_dir`` with the adapter in ``adapter_dir`` loaded by PEFT."""
+    return PeftModel.from_pretrained(load_hf(model_dir), adapter_dir).eval()
+
+
+# --- hand-written MoE expert adapters -----------------------------------------------------------
+
+
+@dataclass
+class MergedOracle:
+    """The base transformers model with an adapter's deltas merged into its weights (float32)."""
+
+    model: torch.nn.Module
+    adapter_dir: Path
+
+
+@dataclass
+class _ExpertFactors:
+    """LoRA factors of one MoE layer. A: [E or 1, r, in], B: [E or 1, out, r]; router A [r, H], B [E, r]."""
+
+    gate_a: torch.Tensor
+    gate_b: torch.Tensor
+    up_a: torch.Tensor
+    up_b: torch.Tensor
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+    router_a: torch.Tensor | None = None
+    router_b: torch.Tensor | None = None
+
+
+def _draw_factor_pair(n_a, n_b, out_dim, in_dim, rank, scaling, generator):
+    """(A, B) whose product times ``scaling`` has about ADAPTER_STRENGTH of a base weight's scale."""
+    a = _randn((n_a, rank, in_dim), generator) / math.sqrt(in_dim)
+    b = _randn((n_b, out_dim, rank), generator) * (ADAPTER_STRENGTH / (scaling * math.sqrt(rank)))
+    return a, b
+
+
+def _draw_expert_factors(mlp, layout, rank, scaling, shared_outer, include_router, generator) -> _ExpertFactors:
+    num_experts, two_i, hidden = mlp.experts.gate_up_proj.shape
+    inter = two_i // 2
+    n_outer = 1 if shared_outer else num_experts
+    gate_a, gate_b = _draw_factor_pair(n_outer, num_experts, inter, hidden, rank, scaling, generator)
+    up_a, up_b = _draw_factor_pair(n_outer, num_experts, inter, hidden, rank, scaling, generator)
+    if layout in ("fused_3d", "peft_target_parameters"):
+        up_a = gate_a  # gate and up are one fused projection with one A per expert
+    down_a, down_b = _draw_factor_pair(num_experts, n_outer, hidden, inter, rank, scaling, generator)
+    factors = _ExpertFactors(gate_a, gate_b, up_a, up_b, down_a, down_b)
+    if include_router:
+        router_a, router_b = _draw_factor_pair(1, 1, num_experts, hidden, rank, scaling, generator)
+        factors.router_a, factors.router_b = router_a[0], router_b[0] * ROUTER_GAIN
+    return factors
+
+
+def _pack_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT ParamWrapper packing: A [E, r, in] -> [E*r, in] (expert-major), B [E, out, r] -> [out, r*E] (rank-major)."""
+    num_experts, out_dim, rank = b.shape
+    return a.reshape(num_experts * rank, -1), b.permute(1, 2, 0).reshape(out_dim, rank * num_experts)
+
+
+def _layer_tensors(prefix: str, f: _ExpertFactors, layout: str, names: str) -> dict[str, torch.Tensor]:
+    """Adapter tensors of one MoE layer in ``layout``, keyed relative to ``prefix`` (ending in "mlp.")."""
+    tensors = {}
+
+    def put(module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        tensors[f"{prefix}{module}.lora_A.weight"] = a
+        tensors[f"{prefix}{module}.lora_B.weight"] = b
+
+    if layout == "per_expert_2d":
+        gate, up, down = ("w1", "w3", "w2") if names == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for e in range(f.gate_b.shape[0]):
+            put(f"experts.{e}.{gate}", f.gate_a[e], f.gate_b[e])
+            put(f"experts.{e}.{up}", f.up_a[e], f.up_b[e])
+            put(f"experts.{e}.{down}", f.down_a[e], f.down_b[e])
+    elif layout == "fused_3d":
+        put("experts.gate_up_proj", f.gate_a, torch.cat([f.gate_b, f.up_b], dim=1))
+        put("experts.down_proj", f.down_a, f.down_b)
+    elif layout == "split_3d":
+        put("experts.w1", f.gate_a, f.gate_b)
+        put("experts.w3", f.up_a, f.up_b)
+        put("experts.w2", f.down_a, f.down_b)
+    else:  # peft_target_parameters: gate_up_proj is the inner ParamWrapper, down_proj the outer one
+        put("experts.base_layer", *_pack_peft(f.gate_a, torch.cat([f.gate_b, f.up_b], dim=1)))
+        put("experts", *_pack_peft(f.down_a, f.down_b))
+    if f.router_a is not None:
+        put("gate", f.router_a, f.router_b)
+    return {key: value.contiguous() for key, value in tensors.items()}
+
+
+@torch.no_grad()
+def _merge(mlp, f: _ExpertFactors, scaling: float) -> None:
+    """Add the layer's LoRA deltas to the fused transformers expert weights (and router)."""
+    experts = mlp.experts
+    inter = experts.down_proj.shape[-1]
+    experts.gate_up_proj[:, :inter] += scaling * (f.gate_b @ f.gate_a)
+    experts.gate_up_proj[:, inter:] += scaling * (f.up_b @ f.up_a)
+    experts.down_proj += scaling * (f.down_b @ f.down_a)
+    if f.router_a is not None:
+        mlp.gate.weight += scaling * (f.router_b @ f.router_a)
+
+
+def write_expert_adapter(
+    model_dir,
+    out_dir,
+    *,
+    layout: str,
+    seed: int,
+    rank: int = 4,
+    alpha: float = 8,
+    names: str = "qwen",
+    shared_outer: bool = False,
+    include_router: bool = False,
+    layers=None,
+) -> MergedOracle:
+    """Hand-write a LoRA adapter on the MoE experts of ``model_dir`` in ``layout``; return its merged oracle.
+
+    ``shared_outer`` shares the gate/up A and the down B across experts (stored with expert dim 1);
+    ``layers`` restricts the adapter to those MoE layers (default: all of them).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    if names not in ("qwen", "mixtral") or (names == "mixtral" and layout != "per_expert_2d"):
+        raise ValueError(f"names={names!r} is not available for layout {layout!r}")
+    if shared_outer and layout in ("per_expert_2d", "peft_target_parameters"):
+        raise ValueError(f"shared_outer is not representable in layout {layout!r}")
+
+    model = load_hf(model_dir)
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    layers = moe_layers if layers is None else list(layers)
+    if not set(layers) <= set(moe_layers):
+        raise ValueError(f"layers {layers} are not all MoE layers {moe_layers}")
+
+    scaling = alpha / rank
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in layers:
+        mlp = model.model.layers[i].mlp
+        factors = _draw_expert_factors(mlp, layout, rank, scaling, shared_outer, include_router, generator)
+        tensors.update(_layer_tensors(f"base_model.model.model.layers.{i}.mlp.", factors, layout, names))
+        _merge(mlp, factors, scaling)
+
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": "all-linear",
+        "base_model_name_or_path": str(model_dir),
+    }
+    if layout == "peft_target_parameters":
+        router = ["mlp.gate.weight"] if include_router else []
+        config.update(target_modules=None, target_parameters=PEFT_EXPERT_PARAMETERS + router)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return MergedOracle(model=model, adapter_dir=out_dir)
