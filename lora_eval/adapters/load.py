@@ -177,10 +177,13 @@ class _Parser:
                 raise UnsupportedError(self.wfile, f"saved base layer of shape {list(tensor.shape)} differs from the "
                                        f"model's {list(base.shape)}: resized vocabularies are not supported", key=key)
             raise self.error(key, f"shape {list(tensor.shape)}, expected {list(base.shape)}")
+        if is_base_copy and base.is_meta:  # shapes-only model (inspect): cannot tell whether it differs
+            self._report(module, None, None, tensor.numel(), "saved base_layer")
+            return
         if is_base_copy and torch.equal(tensor.to(base.dtype).cpu(), base.detach().cpu()):
             return  # PEFT saved an unchanged copy of the base embedding / lm_head: nothing to apply
         self.adapter.overrides.setdefault(module, {})[param] = tensor
-        self._report(module, 0, 0.0, tensor.numel(), "modules_to_save")
+        self._report(module, None, None, tensor.numel(), "saved base_layer" if is_base_copy else "modules_to_save")
 
     # ---- experts -------------------------------------------------------------------------------------
     def _expert(self, module, a_key, A, b_key, B):

@@ -1,0 +1,34 @@
+"""Shared fixtures: a fresh random seed per test (printed on failure) and tiny checkpoints built once per session."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.builders import save_random_model
+
+# 2I (16) != H (32) and I != H, so a transposed or swapped expert factor cannot pass by coincidence
+MOE_OVERRIDES = dict(moe_intermediate_size=8)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """Fresh each run; shown in the test's report section so a failure can be replayed."""
+    value = random.SystemRandom().randrange(2**31)
+    request.node.user_properties.append(("seed", value))
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(scope="session")
+def session_seed() -> int:
+    value = random.SystemRandom().randrange(2**31)
+    print(f"session seed={value}")
+    return value
+
+
+@pytest.fixture(scope="session")
+def moe_model(tmp_path_factory, session_seed):
+    """A tiny Qwen3-MoE checkpoint (layer 1 dense via mlp_only_layers, norm_topk_prob true), float32 on disk."""
+    return save_random_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=session_seed, **MOE_OVERRIDES)
