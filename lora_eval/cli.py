@@ -60,5 +60,83 @@ def inspect(model_dir, adapters):
             click.echo(group.drop(columns=["adapter", "layout"]).to_string(index=False))
 
 
+def parse_references(values: tuple[str, ...]) -> list:
+    """FILE or NAME=FILE (NAME: whose logprobs a .pt dump holds; 'base' for the base model)."""
+    from pathlib import Path
+
+    refs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        refs.append((name, path) if sep and name and path and not Path(value).exists() else value)
+    return refs
+
+
+DTYPE = click.Choice(["float32", "bfloat16", "float16"])
+
+
+@cli.command(name="dump-reference")
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder.")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
+@click.option("--prompts", required=True, type=click.Path(), help="JSONL: input_ids | text | prompt+response, "
+              "optional sample_id, adapter, mask.")
+@click.option("--out", required=True, type=click.Path(), help="Reference dump to write (.parquet).")
+@click.option("--dtype", default="float32", type=DTYPE, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def dump_reference_cmd(model_dir, adapters, prompts, out, dtype, device, quiet):
+    """Trainer-side reference logprobs from transformers + PEFT, in the native Parquet format."""
+    from .trainer import dump_reference
+
+    frame = dump_reference(model_dir, parse_named_paths(adapters, "--adapter"), prompts, out, dtype=dtype,
+                           device=device, quiet=quiet)
+    click.echo(f"wrote {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs) to {out}")
+
+
+@cli.command(name="compare")
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder.")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
+@click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
+              help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")
+@click.option("--out", required=True, type=click.Path(), help="Run folder for the reports.")
+@click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]), show_default=True)
+@click.option("--dtype", default="float32", type=DTYPE, show_default=True)
+@click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
+              help="Padded tokens per forward batch.")
+@click.option("--max-k2", default=5e-3, type=float, show_default=True, help="Fail when k2 exceeds this.")
+@click.option("--max-mean-abs-diff", default=None, type=float, help="Fail when mean |d| exceeds this.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def compare_cmd(model_dir, adapters, references, out, device, dtype, batch_tokens, max_k2, max_mean_abs_diff, quiet):
+    """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed."""
+    from .compare import compare
+
+    result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
+                     device=device, dtype=dtype, batch_tokens=batch_tokens, max_k2=max_k2,
+                     max_mean_abs_diff=max_mean_abs_diff, quiet=quiet)
+    _finish(result, out)
+
+
+@cli.command()
+@click.option("--out", default="lora-eval-demo", type=click.Path(), show_default=True, help="Folder to build in.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def demo(out, quiet):
+    """Build a tiny MoE model, two adapters and a trainer reference, then run compare on them."""
+    from .demo import run_demo
+
+    click.echo(f"building a tiny Qwen3-MoE model, two adapters and a reference dump in {out}/ ...")
+    result = run_demo(out, quiet=quiet)
+    _finish(result, f"{out}/report")
+
+
+def _finish(result, out):
+    from .report import summary_table
+
+    click.echo(summary_table(result.summary))
+    click.echo(f"\nreport: {out}/report.md")
+    if not result.passed:
+        failed = [f"{r.adapter} ({r.failed})" for r in result.summary.itertuples() if not r.passed]
+        click.echo("FAILED: " + "; ".join(failed), err=True)
+        sys.exit(1)
+
+
 def main():
     cli(prog_name="lora-eval")

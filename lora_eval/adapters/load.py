@@ -177,11 +177,10 @@ class _Parser:
                 raise UnsupportedError(self.wfile, f"saved base layer of shape {list(tensor.shape)} differs from the "
                                        f"model's {list(base.shape)}: resized vocabularies are not supported", key=key)
             raise self.error(key, f"shape {list(tensor.shape)}, expected {list(base.shape)}")
-        if is_base_copy and base.is_meta:  # shapes-only model (inspect): cannot tell whether it differs
-            self._report(module, None, None, tensor.numel(), "saved base_layer")
+        # PEFT saves a copy of the base embedding / lm_head beside their LoRA; unchanged, there is nothing to apply
+        # (on a shapes-only model it cannot be told, and applying an unchanged copy changes nothing)
+        if is_base_copy and not base.is_meta and torch.equal(tensor.to(base.dtype).cpu(), base.detach().cpu()):
             return
-        if is_base_copy and torch.equal(tensor.to(base.dtype).cpu(), base.detach().cpu()):
-            return  # PEFT saved an unchanged copy of the base embedding / lm_head: nothing to apply
         self.adapter.overrides.setdefault(module, {})[param] = tensor
         self._report(module, None, None, tensor.numel(), "saved base_layer" if is_base_copy else "modules_to_save")
 
