@@ -72,7 +72,7 @@ def _read_pt(path: Path) -> pd.DataFrame:
     2D tensors, or a list of such dicts (one per sample). Never unpickles anything but tensors and containers."""
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError, OSError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InputError(path, f"refused: not a plain tensor/list dump (loaded with weights_only=True only): "
                          f"{first}") from None

@@ -283,13 +283,17 @@ def test_wrong_expert_count(art):
 
 
 @pytest.mark.parametrize("change, key, shapes", [
-    (dict(num_experts=8), "model.layers.0.mlp.gate.weight", ("[6, 32]", "[8, 32]")),
-    (dict(num_experts=4), "model.layers.0.mlp.gate.weight", ("[6, 32]", "[4, 32]")),
+    (dict(experts=8), "model.layers.0.mlp.gate.weight", ("[6, 32]", "[8, 32]")),
+    (dict(experts=4), "model.layers.0.mlp.gate.weight", ("[6, 32]", "[4, 32]")),
     (dict(hidden_size=48), "model.embed_tokens.weight", ("[96, 32]", "[96, 48]")),
     (dict(moe_intermediate_size=16), "model.layers.0.mlp.experts.0.gate_proj.weight", ("[8, 32]", "[16, 32]")),
 ])
 def test_config_disagrees_with_weights(art, tmp_path, change, key, shapes):
     model = copy_dir(art.model, tmp_path / "edited_model")
+    config = json.loads((model / "config.json").read_text())
+    if "experts" in change:  # edit the expert-count field the file has (transformers 5 writes num_local_experts)
+        field = next(k for k in ("num_experts", "num_local_experts") if k in config)
+        change = {field: change["experts"]}
     edit_json(model / "config.json", **change)
     line = assert_input_error(inspect(model), str(model / "model.safetensors"), key)
     for shape in shapes:
@@ -411,6 +415,56 @@ def test_bin_with_non_tensor_values_refused(art, tmp_path):
     torch.save({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [1, 2, 3]},
                adapter / "adapter_model.bin")
     assert_input_error(inspect(art.model, a=adapter), str(adapter / "adapter_model.bin"), "tensor")
+
+
+def test_truncated_adapter_bin(art, tmp_path):
+    # the same tensors as a plain torch.save .bin (which loads: see the check below), cut in half
+    adapter = copy_dir(art.peft_qv, tmp_path / "truncated_bin")
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_model.safetensors").unlink()
+    binary = adapter / "adapter_model.bin"
+    torch.save(tensors, binary)
+    assert inspect(art.model, a=adapter).exit_code == 0
+    truncate(binary, binary.stat().st_size // 2)
+    assert_input_error(inspect(art.model, a=adapter), str(binary))
+
+
+# Values of the wrong type or form in fields that are read: still one line naming the file and the key.
+@pytest.mark.parametrize("key, value", [
+    ("lora_alpha", "abc"),
+    ("lora_alpha", None),
+    ("layers_to_transform", "abc"),
+    ("rank_pattern", [1, 2]),
+    ("rank_pattern", {"q_proj": "x"}),
+    ("rank_pattern", {"[": 4}),
+    ("alpha_pattern", {"q_proj(": 4}),
+], ids=["alpha-str", "alpha-null", "layers_to_transform-str", "rank_pattern-list", "rank_pattern-value-str",
+        "rank_pattern-bad-regex", "alpha_pattern-bad-regex"])
+def test_malformed_adapter_config_value(art, tmp_path, key, value):
+    adapter = copy_dir(art.peft_qv, tmp_path / "malformed")
+    edit_json(adapter / "adapter_config.json", **{key: value})
+    assert_input_error(inspect(art.model, a=adapter), str(adapter / "adapter_config.json"), key)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("hidden_size", "abc"),
+    ("rms_norm_eps", "x"),
+    ("mlp_only_layers", 1),
+    ("num_attention_heads", 0),
+], ids=["hidden_size-str", "rms_norm_eps-str", "mlp_only_layers-int", "num_attention_heads-0"])
+def test_malformed_model_config_value(art, tmp_path, key, value):
+    model = copy_dir(art.model, tmp_path / "malformed_model")
+    edit_json(model / "config.json", **{key: value}, **({"head_dim": None} if key == "num_attention_heads" else {}))
+    assert_input_error(inspect(model), str(model / "config.json"), key)
+
+
+def test_unsupported_rope_type(art, tmp_path):
+    # transformers 5 writes `rope_parameters`; the error must name this config.json (full path) and that key
+    model = copy_dir(art.model, tmp_path / "yarn")
+    config = json.loads((model / "config.json").read_text())
+    assert "rope_parameters" in config and "rope_scaling" not in config
+    edit_json(model / "config.json", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0})
+    assert_input_error(inspect(model), str(model / "config.json"), "rope_parameters", "yarn")
 
 
 @pytest.mark.parametrize("key, value, name", [

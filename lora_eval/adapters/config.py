@@ -55,23 +55,42 @@ class AdapterConfig:
                 continue
             feature = REFUSED.get(key, f"the unknown setting '{key}'")
             raise UnsupportedError(path, f"{feature} is not supported by lora-eval (value {value!r})", key=key)
-        r = raw.get("r", 8)
-        if not isinstance(r, int) or r <= 0:
-            raise InputError(path, f"expected a positive integer rank, found {r!r}", key="r")
+        def bad(key, expected):
+            return InputError(path, f"expected {expected}, found {raw.get(key)!r}", key=key)
+
+        def is_number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+        def is_rank(v):
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
+        if not is_rank(r):
+            raise bad("r", "a positive integer rank")
+        if not is_number(alpha):
+            raise bad("lora_alpha", "a positive number")
         targets = raw.get("target_modules")
-        if targets is not None and not isinstance(targets, (str, list)):
-            raise InputError(path, f"expected a list of names or a regex string, found {targets!r}",
-                             key="target_modules")
+        if targets is not None and not (isinstance(targets, str) or _str_list(targets)):
+            raise bad("target_modules", "a list of names or a regex string")
         if isinstance(targets, str) and targets not in ("all-linear", "all"):
-            try:
-                re.compile(targets)
-            except re.error as e:
-                raise InputError(path, f"not a valid regular expression ({e})", key="target_modules") from None
+            _check_regex(path, "target_modules", targets)
+        for key in ("target_parameters", "modules_to_save"):
+            if raw.get(key) is not None and not _str_list(raw[key]):
+                raise bad(key, "a list of names")
         layers = raw.get("layers_to_transform")
-        if isinstance(layers, int):
-            layers = [layers]
+        layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+        if layers is not None and not (isinstance(layers, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+            raise bad("layers_to_transform", "a layer index or a list of layer indices")
+        for key, valid, expected in (("rank_pattern", is_rank, "positive integer ranks"),
+                                     ("alpha_pattern", is_number, "positive numbers")):
+            patterns = raw.get(key) or {}
+            if not isinstance(patterns, dict) or not all(valid(v) for v in patterns.values()):
+                raise bad(key, f"an object of module patterns to {expected}")
+            for pattern in patterns:
+                _check_regex(path, key, pattern)
         return cls(
-            path=path, r=r, lora_alpha=float(raw.get("lora_alpha", 8)), target_modules=targets,
+            path=path, r=r, lora_alpha=float(alpha), target_modules=targets,
             target_parameters=list(raw.get("target_parameters") or []), layers_to_transform=layers,
             rank_pattern=dict(raw.get("rank_pattern") or {}), alpha_pattern=dict(raw.get("alpha_pattern") or {}),
             use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=list(raw.get("modules_to_save") or []),
@@ -83,6 +102,17 @@ class AdapterConfig:
         a_key = _pattern_key(self.alpha_pattern, key)
         alpha = float(self.alpha_pattern[a_key]) if a_key else self.lora_alpha
         return int(r), (alpha / math.sqrt(r) if self.use_rslora else alpha / r)
+
+
+def _str_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _check_regex(path, key, pattern):
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise InputError(path, f"'{pattern}' is not a valid regular expression ({e})", key=key) from None
 
 
 def _pattern_key(patterns: dict, key: str) -> str | None:

@@ -70,7 +70,7 @@ def read_adapter_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], Pa
     if binary.is_file():
         try:
             data = torch.load(binary, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError, OSError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InputError(binary, f"refused: not a plain tensor file (loaded with weights_only=True only): {first}") \
                 from None
@@ -89,10 +89,10 @@ def load_adapter(adapter_dir: str | Path, name: str, model) -> Adapter:
         raise InputError(adapter_dir, f"adapter folder for '{name}' not found")
     config = AdapterConfig.read(adapter_dir)
     sites = Sites.of(model)
-    resolve_targets(config, sites)
+    targeted = resolve_targets(config, sites)
     tensors, wfile = read_adapter_tensors(adapter_dir)
     adapter = Adapter(name=name, path=adapter_dir, config=config, weights_file=wfile)
-    parser = _Parser(adapter, sites, wfile)
+    parser = _Parser(adapter, sites, wfile, targeted)
     for key, tensor in tensors.items():
         parser.add(key, tensor)
     parser.finish()
@@ -100,8 +100,9 @@ def load_adapter(adapter_dir: str | Path, name: str, model) -> Adapter:
 
 
 class _Parser:
-    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path):
+    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str]):
         self.adapter, self.sites, self.wfile = adapter, sites, wfile
+        self.targeted = set(targeted)
         self.config = adapter.config
         self.pairs: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}  # (module, family) -> A/B
         self.expert_parts: dict[str, dict[str, tuple]] = {}  # expert site -> part name -> (A, B)
@@ -137,6 +138,9 @@ class _Parser:
                     raise self.error(other_key.replace(f"_{'B' if side == 'A' else 'A'}", f"_{side}"),
                                      f"missing: lora_{side} is needed beside {other_key}")
             (a_key, A), (b_key, B) = ab["A"], ab["B"]
+            if self._is_known(module) and not self._is_targeted(module):
+                raise self.error(a_key, "LoRA weights for a module that adapter_config.json does not target "
+                                 "(target_modules / target_parameters / layers_to_transform); PEFT would not load them")
             if family == "embedding":
                 self._embedding(module, a_key, A, b_key, B)
             elif module in self.sites.linear:
@@ -144,6 +148,18 @@ class _Parser:
             else:
                 self._expert(module, a_key, A, b_key, B)
         self._join_experts()
+
+    def _expert_site(self, module: str) -> str | None:
+        return next((s for s in self.sites.experts if module == s or module.startswith(s + ".")), None)
+
+    def _is_known(self, module: str) -> bool:
+        return module in self.sites.linear or module in self.sites.embedding or self._expert_site(module) is not None
+
+    def _is_targeted(self, module: str) -> bool:
+        if module in self.targeted or f"{module}.weight" in self.targeted:
+            return True
+        site = self._expert_site(module)
+        return site is not None and any(t == site or t.startswith(site + ".") for t in self.targeted)
 
     # ---- dense targets -------------------------------------------------------------------------------
     def _dense(self, module, a_key, A, b_key, B):

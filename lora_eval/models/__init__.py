@@ -40,7 +40,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                          f"describes it ({len(unused)} such keys); does config.json match the weights?",
                          key=unused[0])
     model.load_state_dict(weights, strict=True, assign=True)
-    model.inv_freq = qwen3.rope_inv_freq(args.head_dim, args.rope).to(device)
+    model.inv_freq = qwen3.rope_inv_freq(args.head_dim, args.rope, args.where).to(device)
     model.eval()
     return model
 

@@ -80,9 +80,10 @@ class Embedding(nn.Module):
         return h if lora is None else lora.embedding(self, ids, h)
 
 
-def rope_inv_freq(head_dim: int, config: dict) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> torch.Tensor:
     """Rotary inverse frequencies [head_dim/2] for the rope types we compute (default, linear, llama3)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = dict(config.get(key) or {})
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [D/2]
@@ -99,8 +100,7 @@ def rope_inv_freq(head_dim: int, config: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise UnsupportedError("config.json", f"rope type '{rope_type}' is not supported (default, linear, llama3 are)",
-                           key="rope_scaling")
+    raise UnsupportedError(where, f"rope type '{rope_type}' is not supported (default, linear, llama3 are)", key=key)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):

@@ -45,14 +45,27 @@ class ModelArgs:
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
     rope: dict = field(default_factory=dict)
+    where: str = "config.json"  # the config file, for error messages
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
-        def need(key, *alts):
+        def read(key, kind, *alts, default=None, minimum=None):
+            """config[key] (or an alternative name) as `kind`, or an InputError naming the key."""
             for k in (key, *alts):
                 if config.get(k) is not None:
-                    return config[k]
-            raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'", key=key)
+                    key, value = k, config[k]
+                    break
+            else:
+                if default is None:
+                    raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'",
+                                     key=key)
+                return default
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == kind(value) \
+                if kind is int else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or (minimum is not None and value < minimum):
+                raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
+                                 f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
+            return kind(value)
 
         model_type = config["model_type"]
         if config.get("hidden_act", "silu") != "silu":
@@ -60,30 +73,34 @@ class ModelArgs:
         if config.get("use_sliding_window"):
             raise UnsupportedError(where, "sliding-window attention is not supported for this family",
                                    key="use_sliding_window")
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        layers = int(need("num_hidden_layers"))
+        heads = read("num_attention_heads", int, minimum=1)
+        hidden = read("hidden_size", int, minimum=1)
+        layers = read("num_hidden_layers", int, minimum=1)
         args = cls(
-            model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden, num_layers=layers,
-            num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config.get("intermediate_size") or 0),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            model_type=model_type, vocab_size=read("vocab_size", int, minimum=1), hidden_size=hidden,
+            num_layers=layers, num_heads=heads, num_kv_heads=read("num_key_value_heads", int, default=heads, minimum=1),
+            head_dim=read("head_dim", int, default=hidden // heads, minimum=1),
+            intermediate_size=read("intermediate_size", int, default=0, minimum=0),
+            rms_norm_eps=read("rms_norm_eps", float, default=1e-6), qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            rope={k: config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")},
+            rope={k: config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}, where=where,
         )
+        if heads % args.num_kv_heads:
+            raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
+                             key="num_key_value_heads")
         if model_type == "qwen3_moe":
-            args.num_experts = int(need("num_experts", "num_local_experts"))
-            args.top_k = int(need("num_experts_per_tok"))
-            args.moe_intermediate_size = int(need("moe_intermediate_size"))
+            args.num_experts = read("num_experts", int, "num_local_experts", minimum=1)
+            args.top_k = read("num_experts_per_tok", int, minimum=1)
+            args.moe_intermediate_size = read("moe_intermediate_size", int, minimum=1)
             args.norm_topk_prob = bool(config.get("norm_topk_prob", False))
-            step = int(config.get("decoder_sparse_step", 1) or 1)
-            dense = set(config.get("mlp_only_layers") or [])
-            args.sparse_layers = tuple(i for i in range(layers)
-                                       if i not in dense and args.num_experts > 0 and (i + 1) % step == 0)
-            if not 0 < args.top_k <= args.num_experts:
-                raise InputError(where, f"{args.top_k} is not in 1..num_experts ({args.num_experts})",
+            step = read("decoder_sparse_step", int, default=1, minimum=1)
+            dense = config.get("mlp_only_layers") or []
+            if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+                raise InputError(where, f"expected a list of layer indices, found {dense!r}", key="mlp_only_layers")
+            args.sparse_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+            if args.top_k > args.num_experts:
+                raise InputError(where, f"{args.top_k} is more than num_experts ({args.num_experts})",
                                  key="num_experts_per_tok")
         if len(args.sparse_layers) < layers and args.intermediate_size <= 0:
             raise InputError(where, "dense MLP layers need a positive intermediate_size", key="intermediate_size")
@@ -180,7 +197,7 @@ class CausalLM(nn.Module):
         self.args = args
         self.model = Backbone(args)
         self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
-        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope), persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope, args.where), persistent=False)  # [D/2]
 
     def forward(self, input_ids: torch.Tensor, lora=None) -> torch.Tensor:
         B, L = input_ids.shape
