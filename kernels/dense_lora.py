@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from .linear import linear_ref
+
 
 def dense_lora_ref(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                    groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """Plain-torch segmented shrink/expand; rows outside `groups` are left untouched (bit for bit)."""
     for slot, rows in groups:
-        shrunk = x[rows] @ A[slot].T  # [n, R]
-        y.index_add_(0, rows, shrunk @ B[slot].T)  # [n, out]
+        shrunk = linear_ref(x[rows], A[slot])  # [n, R]
+        y.index_add_(0, rows, linear_ref(shrunk, B[slot]))  # [n, out]
     return y
 
 
@@ -23,5 +25,5 @@ def embedding_lora_ref(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: t
     """Embedding LoRA: h[rows] += A[s][ids[rows]] @ B[s]^T with A [S, V, R] (PEFT's lora_embedding_A, transposed)
     and B [S, H, R] (scaling folded in)."""
     for slot, rows in groups:
-        h.index_add_(0, rows, A[slot][ids[rows]] @ B[slot].T)  # [n, H]
+        h.index_add_(0, rows, linear_ref(A[slot][ids[rows]], B[slot]))  # [n, H]
     return h

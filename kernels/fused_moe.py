@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .linear import linear_ref
+
 
 def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None) -> torch.Tensor:
     """Plain-torch reference: loop over experts that got tokens, then over adapter slots among those tokens."""
@@ -25,17 +27,17 @@ def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token
         pairs = (flat_ids == e).nonzero().squeeze(1)  # [n] indices into T*k
         tokens = pairs // k  # [n]
         xe = x[tokens]  # [n, H]
-        gate_up = F.linear(xe, w_gate_up[e])  # [n, 2I]
+        gate_up = linear_ref(xe, w_gate_up[e])  # [n, 2I]
         groups = _slot_groups(lora, token_slots[tokens]) if lora is not None else []
         for slot, rows in groups:
             A, B = lora.gate_up_A[slot], lora.gate_up_B[slot]
-            delta = (xe[rows] @ A[e % A.shape[0]].T) @ B[e % B.shape[0]].T  # [m, 2I]
+            delta = linear_ref(linear_ref(xe[rows], A[e % A.shape[0]]), B[e % B.shape[0]])  # [m, 2I]
             gate_up.index_add_(0, rows, delta)
         act = F.silu(gate_up[:, :I]) * gate_up[:, I:]  # [n, I]
-        ye = F.linear(act, w_down[e])  # [n, H]
+        ye = linear_ref(act, w_down[e])  # [n, H]
         for slot, rows in groups:
             A, B = lora.down_A[slot], lora.down_B[slot]
-            ye.index_add_(0, rows, (act[rows] @ A[e % A.shape[0]].T) @ B[e % B.shape[0]].T)  # [m, H]
+            ye.index_add_(0, rows, linear_ref(linear_ref(act[rows], A[e % A.shape[0]]), B[e % B.shape[0]]))  # [m, H]
         out.index_add_(0, tokens, ye * topk_weights.reshape(-1)[pairs, None])
     return out
 

@@ -76,7 +76,7 @@ class Engine:
         if self.stack is not None and max(slots) >= 0:
             lora = LoraBatch(self.stack, token_slots.to(device))
         ids = ids.to(device)
-        hidden = self.model(ids, lora)  # [T, H]
+        hidden = self.model(ids, lora, lengths)  # [T, H]
         # positions whose next token exists, and that token
         rows = torch.cat([torch.arange(n - 1) + i * L for i, n in enumerate(lengths)]).to(device)  # [N]
         targets = ids.reshape(-1)[rows + 1]  # [N]

@@ -30,11 +30,11 @@ def token_metrics(d: np.ndarray) -> dict[str, float]:
 
 def group_metrics(tokens: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     """One row per group of `tokens` (columns: by..., d, and sampler_d when known): counts and metrics."""
-    masked = tokens[tokens["mask"]]
     rows = []
-    groups = masked.groupby(by, sort=False, dropna=False) if by else [((), masked)]
-    for key, group in groups:
+    groups = tokens.groupby(by, sort=False, dropna=False) if by else [((), tokens)]
+    for key, group in groups:  # a group whose tokens are all masked out keeps its row, with NaN metrics
         key = key if isinstance(key, tuple) else (key,)
+        group = group[group["mask"]]
         row = dict(zip(by, key))
         row.update(n_samples=group["sample_id"].nunique(), n_tokens=len(group))
         row.update(token_metrics(group["d"].to_numpy()))

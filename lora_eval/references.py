@@ -88,15 +88,16 @@ def _read_pt(path: Path) -> pd.DataFrame:
             raise InputError(path, f"{len(tokens)} token rows but {len(train)} training_logprobs rows"
                              + (f" and {len(sampler)} sampling_logprobs rows" if sampler is not None else ""))
         for j in range(len(tokens)):
-            rows.append(dict(sample_id=f"{path.stem}:{len(rows)}", input_ids=tokens[j], logprobs=train[j],
+            rows.append(dict(sample_id=f"{path}:{len(rows)}", input_ids=tokens[j], logprobs=train[j],
                              sampler_logprobs=None if sampler is None else sampler[j]))
     return pd.DataFrame(rows)
 
 
 def _rows(value) -> list[list]:
-    """Per-sample lists from a 1D/2D tensor or (nested) list."""
+    """Per-sample lists from a 1D/2D tensor, a list of 1D tensors, or (nested) lists."""
     if isinstance(value, torch.Tensor):
         value = value.tolist()
+    value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
     if value and not isinstance(value[0], (list, tuple)):
         value = [value]
     return [list(v) for v in value]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.dense_lora import dense_lora_ref, embedding_lora_ref
+from ..kernels.linear import linear_ref
 from ..models.layers import rms_norm
 from .load import Adapter
 
@@ -148,7 +149,7 @@ class LoraBatch:
         if override is not None:
             for s, rows in self._groups(override.slots):
                 own = override.params[s]
-                y[rows] = F.linear(x[rows], own["weight"], own.get("bias"))
+                y[rows] = linear_ref(x[rows], own["weight"], own.get("bias"))
         lora = self.stack.dense.get(module.site)
         if lora is not None:
             dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))

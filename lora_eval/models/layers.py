@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedError
+from ..kernels.linear import linear_ref
 
 if TYPE_CHECKING:
     from ..adapters.stack import LoraBatch
@@ -31,7 +32,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None  # [out]
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, out]
+        y = linear_ref(x, self.weight, self.bias)  # [T, out]
         return y if lora is None else lora.linear(self, x, y)
 
 

@@ -119,7 +119,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x, cos, sin, lora):
+    def forward(self, x, cos, sin, lengths, lora):
         B, L, _ = cos.shape
         T = x.shape[0]
         q = self.q_proj(x, lora).view(T, self.num_heads, self.head_dim)  # [T, nh, D]
@@ -129,11 +129,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, lora), self.k_norm(k, lora)
         q = apply_rope(q.view(B, L, self.num_heads, self.head_dim), cos, sin)  # [B, L, nh, D]
         k = apply_rope(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)  # [B, L, nkv, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, nh, L, D]
-        return self.o_proj(out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim), lora)  # [T, H]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, D]
+        out = torch.zeros_like(q)  # [B, nh, L, D]
+        for b, n in enumerate(lengths):  # each row over its own length: results do not depend on padding
+            out[b, :, :n] = F.scaled_dot_product_attention(
+                q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], is_causal=True,
+                scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)[0]  # [nh, n, D]
+        out = out.transpose(1, 2)  # [B, L, nh, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim), lora)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -176,8 +179,8 @@ class DecoderLayer(nn.Module):
                                                 args.rms_norm_eps)
         self.mlp = SparseMoe(args, f"{prefix}.mlp") if index in args.sparse_layers else MLP(args, f"{prefix}.mlp")
 
-    def forward(self, h, cos, sin, lora):
-        h = h + self.self_attn(self.input_layernorm(h, lora), cos, sin, lora)  # [T, H]
+    def forward(self, h, cos, sin, lengths, lora):
+        h = h + self.self_attn(self.input_layernorm(h, lora), cos, sin, lengths, lora)  # [T, H]
         return h + self.mlp(self.post_attention_layernorm(h, lora), lora)  # [T, H]
 
 
@@ -190,7 +193,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """input_ids [B, L] (right-padded) -> final hidden states [B*L, H]; `logits` applies lm_head to some of them."""
+    """input_ids [B, L] right-padded to the row `lengths` -> final hidden states [B*L, H] (padding rows are
+    garbage); `logits` applies lm_head to some of them."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -199,13 +203,14 @@ class CausalLM(nn.Module):
         self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope, args.where), persistent=False)  # [D/2]
 
-    def forward(self, input_ids: torch.Tensor, lora=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, lora=None, lengths: list[int] | None = None) -> torch.Tensor:
         B, L = input_ids.shape
+        lengths = lengths or [L] * B
         positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
         h = self.model.embed_tokens(input_ids.reshape(-1), lora)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [B, L, D]
         for layer in self.model.layers:
-            h = layer(h, cos, sin, lora)  # [T, H]
+            h = layer(h, cos, sin, lengths, lora)  # [T, H]
         return self.model.norm(h, lora)  # [T, H]
 
     def logits(self, h: torch.Tensor, lora=None) -> torch.Tensor:
