@@ -46,3 +46,170 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(slot, positions) for each adapter slot among `slots` that has expert weights in `lora`."""
     present = torch.unique(slots).tolist()
     return [(s, (slots == s).nonzero().squeeze(1)) for s in present if s in lora.slots]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: one grouped GEMM kernel over aligned blocks (kernels/moe_align.py), used twice per layer:
+#   gate_up: x[pair // k] @ W_gu[e]^T -> gate, up (two accumulators) -> silu(gate) * up -> act [P, I]
+#   down:    act[pair] @ W_d[e]^T -> * routing weight -> y [P, H];   out[t] = sum_j y[t * k + j] (fp32)
+# LoRA rides in the same kernel: the shrink (x @ A[s, e]^T) accumulates from the x tile the base GEMM
+# already loaded; the expand adds shrink @ B[s, e]^T to the accumulators before the epilogue, for the rows
+# of adapter slot s only. A block whose pairs have no adapter runs the plain loop.
+# ---------------------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .moe_align import moe_align  # noqa: E402
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by token count, for the gate_up and down GEMMs
+CONFIGS = {
+    "small": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    "medium": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "large": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+}
+
+
+def pick_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    pairs_per_expert = num_tokens * top_k / num_experts
+    return dict(CONFIGS["small" if pairs_per_expert <= 16 else "medium" if pairs_per_expert <= 128 else "large"])
+
+
+@triton.jit
+def _shrink(a_ptr, rows, row_mask, la_ptr, K, R, stride_am, stride_ak, stride_lar, stride_lak,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32: rows of a @ A^T for one (slot, expert) factor A [R, K] at la_ptr."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=row_mask[:, None] & (kk[None, :] < K), other=0.0)
+        la = tl.load(la_ptr + offs_r[None, :] * stride_lar + kk[:, None] * stride_lak,
+                     mask=(offs_r[None, :] < R) & (kk[:, None] < K), other=0.0)
+        acc += tl.dot(a, la)
+    return acc
+
+
+@triton.jit
+def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R: tl.constexpr):
+    """acc += shrunk @ B^T for B [N, R] at lb_ptr (columns offs_n)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    lb = tl.load(lb_ptr + offs_r[:, None] * stride_lbr + offs_n[None, :] * stride_lbn,
+                 mask=(offs_r[:, None] < R) & n_mask[None, :], other=0.0)
+    return acc + tl.dot(shrunk.to(lb.dtype), lb)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
+    la_ptr, lb_ptr, pair_slot_ptr, block_lo_ptr, block_hi_ptr,
+    N, K, P, R, top_k, num_blocks,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_las, stride_lae, stride_lar, stride_lak, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
+    GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
+    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pair < P
+    rows = (pair // top_k) if ROWS_ARE_TOKENS else pair
+    rows = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, w)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up += tl.dot(a, w_up)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:
+        lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
+        hi = tl.load(block_hi_ptr + pid_m)
+        slot = tl.load(pair_slot_ptr + pair, mask=valid, other=-1)
+        for s in range(lo, hi + 1):  # usually one adapter per block, none for base-only blocks
+            mine = valid & (slot == s)
+            la = la_ptr + s * stride_las + e * stride_lae
+            lb = lb_ptr + s * stride_lbs + e * stride_lbe
+            shrunk = _shrink(a_ptr, rows, mine, la, K, R, stride_am, stride_ak, stride_lar, stride_lak,
+                             BLOCK_M, BLOCK_K, BLOCK_R)
+            acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R)
+            if GATED:
+                acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
+                                 BLOCK_R)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _lora_args(A: torch.Tensor | None, B: torch.Tensor | None, dummy: torch.Tensor):
+    """Pointers and strides of one stacked factor pair; an expert dim of 1 gets stride 0 (broadcast)."""
+    if A is None:
+        return (dummy, dummy, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    sa = (A.stride(0), A.stride(1) if A.shape[1] > 1 else 0, A.stride(2), A.stride(3))
+    sb = (B.stride(0), B.stride(1) if B.shape[1] > 1 else 0, B.stride(2), B.stride(3))
+    return (A, B, A.shape[2], *sa, *sb)
+
+
+def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
+             config):
+    """Launch moe_gemm_kernel over every aligned block (grid from host-known sizes only: graph-safe)."""
+    N = w.shape[1] // 2 if gated else w.shape[1]
+    K = w.shape[2]
+    la, lb, R, *strides = _lora_args(lora_A, lora_B, a)
+    BLOCK_R = max(16, triton.next_power_of_2(R)) if lora_A is not None else 16
+    grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
+    moe_gemm_kernel[grid](
+        a, w, out, align.sorted_pairs, align.block_expert, align.num_padded,
+        topk_weights if topk_weights is not None else a,
+        la, lb, align.pair_slot, align.block_slot_lo, align.block_slot_hi,
+        N, K, align.num_pairs, R, top_k, align.num_blocks,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), *strides,
+        GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=topk_weights is not None,
+        HAS_LORA=lora_A is not None, BLOCK_R=BLOCK_R, **config,
+    )
+    return out
+
+
+def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, config=None):
+    """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype."""
+    T, k = topk_ids.shape
+    E, H, I = w_down.shape
+    config = config or pick_config(T, k, E)
+    num_slots = lora.gate_up_A.shape[0] if lora is not None else 0
+    align = moe_align(topk_ids, E, config["BLOCK_M"], token_slots if lora is not None else None, num_slots)
+    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [P, I]
+    moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k,
+             lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
+             config=config)
+    y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
+    moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
+             topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
+             lora_B=lora.down_B if lora is not None else None, config=config)
+    return y.view(T, k, H).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]

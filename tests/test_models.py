@@ -25,9 +25,11 @@ FP32_TOL = 1e-5  # max abs logprob difference, ours vs transformers, both float3
 # Tied models use the embedding (std 1, not 1/sqrt(H)) as lm_head: logprobs reach about -45, and transformers'
 # own float32 result is then ~1e-5 away from its float64 one, so 1e-5 would test rounding noise.
 TIED_FP32_TOL = 3e-5
-# mean abs logprob difference vs our float32 run; typical values are ~0.02 (bf16) and ~0.002 (fp16), the
-# bound leaves room for the odd token whose top-k experts flip under reduced precision
-LOW_PRECISION_MEAN_TOL = {"bfloat16": 0.05, "float16": 0.05}
+# Mean abs logprob difference of a reduced-precision engine vs our float32 one, over LOW_PRECISION_ROWS rows.
+# Over 150 seeds with 16 rows: bf16 median 0.017, max 0.045; fp16 median 0.002, max 0.013. The tail comes
+# from tokens whose top-k experts flip under reduced precision, so many rows keep the mean stable.
+LOW_PRECISION_MEAN_TOL = {"bfloat16": 0.06, "float16": 0.02}
+LOW_PRECISION_ROWS = 24
 
 # A llama3 rope with a short original context, so that its low-frequency scaling changes the rotations
 LLAMA3_ROPE = {
@@ -111,7 +113,6 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, session_seed):
     """``checkpoint(case)`` -> the folder of that CASES checkpoint, written on first use.
@@ -148,12 +149,13 @@ def test_base_logprobs_match_transformers(checkpoint, case, seed):
 
 
 def test_batching_does_not_change_rows(checkpoint, seed):
-    """Each row of a right-padded batch equals the same row run alone (up to float32 rounding of the different matmul shapes)."""
+    """Each row of a right-padded batch equals the same row run alone, bit for bit: the CPU path computes
+    GEMMs in fixed row blocks and attention per row, so padding and batch mates cannot change a row."""
     engine = Engine.load(checkpoint("qwen3_moe"))
     seqs = mixed_length_sequences(seed)
     batched = engine_logprobs(engine, seqs)
     alone = [engine_logprobs(engine, [seq])[0] for seq in seqs]
-    assert_rows_close(batched, alone, seqs, FP32_TOL)
+    assert_rows_close(batched, alone, seqs, 0.0)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_no_norm_topk", "qwen3_moe_sparse_step_2"])
@@ -162,6 +164,7 @@ def test_sparse_layers_and_router_settings_match_transformers(checkpoint, case):
     hf = load_hf(model_dir)
     ours = load_model(model_dir)
     hf_sparse = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
+    assert hf_sparse and len(hf_sparse) < len(hf.model.layers), "each case mixes sparse and dense layers"
     assert ours.args.sparse_layers == hf_sparse
     assert ours.args.norm_topk_prob == hf.config.norm_topk_prob
     assert (ours.args.num_experts, ours.args.top_k) == (6, 2)
@@ -214,7 +217,7 @@ def test_bf16_checkpoint_loaded_in_float32_matches_transformers(bf16_checkpoint,
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_engine_is_close_to_float32(bf16_checkpoint, dtype, seed):
-    seqs = mixed_length_sequences(seed)
+    seqs = random_sequences(LOW_PRECISION_ROWS, VOCAB, seed=seed, min_len=2, max_len=24)
     full = engine_logprobs(Engine.load(bf16_checkpoint, dtype="float32"), seqs)
     low = engine_logprobs(Engine.load(bf16_checkpoint, dtype=dtype), seqs)
     assert all(row.dtype == torch.float32 for row in low)
@@ -256,13 +259,13 @@ def test_bf16_load_keeps_bf16_and_fuses_experts(bf16_checkpoint):
 # --- 4. meta device -----------------------------------------------------------------------------
 
 
+def _no_tensor_reads(self, key, *args, **kwargs):
+    raise AssertionError(f"a meta load read tensor {key}")
+
+
 def test_meta_load_reads_no_tensor(moe_model, monkeypatch):
     reference = load_model(moe_model)
-
-    def no_reads(self, key, *args, **kwargs):
-        raise AssertionError(f"meta load read tensor {key}")
-
-    monkeypatch.setattr("lora_eval.checkpoint.TensorFiles.get", no_reads)
+    monkeypatch.setattr("lora_eval.checkpoint.TensorFiles.get", _no_tensor_reads)
     meta = load_model(moe_model, device="meta")
     assert meta.args == reference.args
     shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
@@ -270,9 +273,11 @@ def test_meta_load_reads_no_tensor(moe_model, monkeypatch):
     assert all(p.is_meta for p in meta.parameters())
 
 
-def test_meta_load_still_checks_shapes(moe_model, tmp_path):
+def test_meta_load_still_checks_shapes(moe_model, tmp_path, monkeypatch):
     """config.json describing bigger experts than stored is caught without reading any tensor."""
-    model_dir = copy_with_config(moe_model, tmp_path / "ckpt", moe_intermediate_size=MOE_OVERRIDES["moe_intermediate_size"] + 4)
+    bigger = MOE_OVERRIDES["moe_intermediate_size"] + 4
+    model_dir = copy_with_config(moe_model, tmp_path / "ckpt", moe_intermediate_size=bigger)
+    monkeypatch.setattr("lora_eval.checkpoint.TensorFiles.get", _no_tensor_reads)
     with pytest.raises(InputError) as info:
         load_model(model_dir, device="meta")
     assert ".mlp.experts." in str(info.value) and "shape" in str(info.value)
@@ -350,8 +355,8 @@ def test_unknown_adapter_names_it_and_the_known_ones(adapter_engine, seed):
     assert "gamma" in message and "alpha" in message and "beta" in message
 
 
-def test_valid_batch_still_runs_after_rejections(adapter_engine, moe_model, seed):
-    """Validation leaves the engine usable, and base rows of an adapter engine are the base model's."""
+def test_adapter_engine_base_rows_equal_transformers(adapter_engine, moe_model, seed):
+    """The engine used for the rejections above still runs, and its base rows are the base model's."""
     seqs = mixed_length_sequences(seed)
     tags = [None, "alpha", None, "beta", None]
     ours = adapter_engine.logprobs(Batch(input_ids=seqs, adapters=tags))
