@@ -2,9 +2,21 @@
 
 Shapes: x [T, in], y [T, out], A [S, R, in], B [S, out, R] (the adapter's scaling already folded into B),
 groups: (slot, row indices) for each slot present in the batch that has weights here.
+The plain-torch references come first; the Triton kernels follow (triton is imported on their first launch
+only, so importing this module never imports it). Their metadata and intermediates
+(BLOCK_R = max(16, next_pow2(R)), R padding masked):
+  token_slots [T] int           adapter slot of each row, -1 = none
+  LoraMeta.sorted_rows [T]      int32 row ids ordered by slot (stable); the -1 rows come first
+  LoraMeta.slot_start [S+1]     int32 slot s owns sorted_rows[slot_start[s] : slot_start[s + 1]]
+  LoraMeta.slot_count [S]       int32 slot_start[s + 1] - slot_start[s]
+  LoraMeta.row_slot [T]         int32 token_slots as given
+  shrunk [T, R] float32         x @ A[s]^T, written only for the rows of (unmasked) slots
+  slot_mask [S] (optional)      nonzero: the slot has weights at this site; rows of the others are skipped
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -27,3 +39,208 @@ def embedding_lora_ref(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: t
     for slot, rows in groups:
         h.index_add_(0, rows, linear_ref(A[slot][ids[rows]], B[slot]))  # [n, H]
     return h
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton path.
+#
+# Shrink and expand are two kernels with a float32 [T, R] intermediate, as in vLLM's punica ops. A fused
+# kernel that tiles the output would redo the whole shrink (the read of x over `in`) once per output tile,
+# cdiv(out, BLOCK_N) times (32x at out = 4096); one that loops over all of `out` in each program has only
+# cdiv(T, BLOCK_M) programs working, too few to fill the GPU at moderate T. Split apart, the shrink reads x
+# once, the [T, R] intermediate is small (256 KiB at T = 4096, R = 16) and stays in L2, and the expand is a
+# streaming read-add-write of y. Neither kernel splits a reduction across programs (no atomics), so a row's
+# result does not depend on the run or on the other rows of the batch. The shrink output also serves several
+# output slices sharing x (q/k/v): shrink once with the A's stacked along R, then expand each slice from a
+# column view of `shrunk` into a column view of y (both kernels take arbitrary strides).
+#
+# Grids come from host-known shapes only, sized for the worst case (every row in one slot): a program whose
+# tile lies beyond its slot's segment returns at once, and rows with slot -1 belong to no segment. Nothing
+# in the launch path reads a device value on the host, so the launches can be captured in a CUDA graph.
+# Triton is imported on the first launch: importing this module (the CPU engine does) never imports it.
+# ---------------------------------------------------------------------------------------------------------
+
+BLOCKS = {
+    "shrink": dict(BLOCK_M=16, BLOCK_K=128, num_warps=4, num_stages=3),  # grid (cdiv(T, BLOCK_M), S)
+    "expand": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=1),  # grid (cdiv(T, BLOCK_M), cdiv(out, BLOCK_N), S)
+}
+
+tl = None  # triton.language, bound by _lazy_jit on the first launch
+
+
+class _lazy_jit:
+    """`@triton.jit`, applied when the kernel is first launched (so TRITON_INTERPRET is read then too)."""
+
+    def __init__(self, fn):
+        self.fn, self.kernel = fn, None
+
+    def __getitem__(self, grid):
+        if self.kernel is None:
+            global tl
+            import triton
+            import triton.language as tl
+
+            self.kernel = triton.jit(self.fn)
+        return self.kernel[grid]
+
+
+@dataclass
+class LoraMeta:
+    sorted_rows: torch.Tensor
+    slot_start: torch.Tensor
+    slot_count: torch.Tensor
+    row_slot: torch.Tensor
+    num_slots: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.sorted_rows.numel()
+
+
+def lora_metadata(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
+    """Rows grouped by adapter slot, on the device of `token_slots`, without a host sync (see the shapes above)."""
+    slots = token_slots.long()  # [T]
+    sorted_slots, order = torch.sort(slots, stable=True)  # [T], [T]
+    bounds = torch.arange(num_slots + 1, device=slots.device)  # [S+1]
+    slot_start = torch.searchsorted(sorted_slots, bounds)  # [S+1] first sorted position with slot >= s
+    return LoraMeta(sorted_rows=order.to(torch.int32), slot_start=slot_start.to(torch.int32),
+                    slot_count=(slot_start[1:] - slot_start[:-1]).to(torch.int32),
+                    row_slot=slots.to(torch.int32), num_slots=num_slots)
+
+
+@_lazy_jit
+def _shrink_kernel(
+    x_ptr, a_ptr, out_ptr, sorted_rows_ptr, slot_start_ptr, slot_mask_ptr, K, R,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_om, stride_or,
+    HAS_SLOT_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out[rows, :R] = x[rows] @ A[slot]^T (fp32) for BLOCK_M rows of one slot's segment."""
+    pid_m = tl.program_id(0)
+    slot = tl.program_id(1)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_start_ptr + slot + 1) - start
+    if HAS_SLOT_MASK:
+        count = tl.where(tl.load(slot_mask_ptr + slot) != 0, count, 0)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < count
+    rows = tl.load(sorted_rows_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_mask[:, None] & (offs_r[None, :] < R), other=0.0)
+        acc += tl.dot(x, a, input_precision="ieee")
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, acc, mask=row_mask[:, None] & (offs_r[None, :] < R))
+
+
+@_lazy_jit
+def _expand_kernel(
+    y_ptr, s_ptr, b_ptr, sorted_rows_ptr, slot_start_ptr, slot_mask_ptr, N, R,
+    stride_ym, stride_yn, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
+    HAS_SLOT_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """y[rows, cols] += shrunk[rows] @ B[slot, cols]^T (fp32 accumulate) for a BLOCK_M x BLOCK_N tile of one slot."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    start = tl.load(slot_start_ptr + slot)
+    count = tl.load(slot_start_ptr + slot + 1) - start
+    if HAS_SLOT_MASK:
+        count = tl.where(tl.load(slot_mask_ptr + slot) != 0, count, 0)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < count
+    rows = tl.load(sorted_rows_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr,
+                mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    delta = tl.dot(s.to(b.dtype), b, input_precision="ieee")  # shrunk rounded to the weights' dtype, as the reference
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = row_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_r(R: int) -> int:
+    """R padded to a power of two >= 16 (tl.dot's minimum); the padding is masked, never read."""
+    return max(16, 1 << (R - 1).bit_length())
+
+
+def _mask_args(slot_mask: torch.Tensor | None, meta: LoraMeta):
+    return (meta.slot_start, False) if slot_mask is None else (slot_mask, True)
+
+
+def dense_lora_shrink(x: torch.Tensor, A: torch.Tensor, meta: LoraMeta, out: torch.Tensor | None = None, *,
+                      slot_mask: torch.Tensor | None = None, blocks: dict | None = None) -> torch.Tensor:
+    """shrunk[rows of slot s] = x[rows] @ A[s]^T in float32; x [T, in], A [S, R, in] -> out [T, R]
+    (other rows of `out` are not written)."""
+    T, K = x.shape
+    S, R, _ = A.shape
+    assert A.shape[2] == K and x.dtype == A.dtype and meta.num_rows == T and meta.num_slots == S
+    if out is None:
+        out = torch.empty(T, R, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    config = {**BLOCKS["shrink"], **(blocks or {})}
+    mask, has_mask = _mask_args(slot_mask, meta)
+    grid = (_cdiv(T, config["BLOCK_M"]), S)
+    _shrink_kernel[grid](
+        x, A, out, meta.sorted_rows, meta.slot_start, mask, K, R,
+        x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2), out.stride(0), out.stride(1),
+        HAS_SLOT_MASK=has_mask, BLOCK_R=_block_r(R), **config,
+    )
+    return out
+
+
+def dense_lora_expand(y: torch.Tensor, shrunk: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,
+                      slot_mask: torch.Tensor | None = None, blocks: dict | None = None) -> torch.Tensor:
+    """y[rows of slot s] += shrunk[rows] @ B[s]^T in place; y [T, out], shrunk [T, R] (any float dtype),
+    B [S, out, R]. Rows of no slot are not touched."""
+    T, N = y.shape
+    S, _, R = B.shape
+    assert B.shape[1] == N and shrunk.shape == (T, R) and meta.num_rows == T and meta.num_slots == S
+    if T == 0:
+        return y
+    config = {**BLOCKS["expand"], **(blocks or {})}
+    mask, has_mask = _mask_args(slot_mask, meta)
+    grid = (_cdiv(T, config["BLOCK_M"]), _cdiv(N, config["BLOCK_N"]), S)
+    _expand_kernel[grid](
+        y, shrunk, B, meta.sorted_rows, meta.slot_start, mask, N, R,
+        y.stride(0), y.stride(1), shrunk.stride(0), shrunk.stride(1), B.stride(0), B.stride(1), B.stride(2),
+        HAS_SLOT_MASK=has_mask, BLOCK_R=_block_r(R), **config,
+    )
+    return y
+
+
+def dense_lora(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,
+               slot_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton counterpart of `dense_lora_ref`: y[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T, in place."""
+    shrunk = dense_lora_shrink(x, A, meta, slot_mask=slot_mask)
+    return dense_lora_expand(y, shrunk, B, meta, slot_mask=slot_mask)
+
+
+def embedding_lora(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,
+                   slot_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton counterpart of `embedding_lora_ref`: h[rows] += A[s][ids[rows]] @ B[s]^T, in place.
+    The shrink is a gather (plain torch on the device; -1 rows read slot 0 and are then skipped)."""
+    shrunk = A[meta.row_slot.clamp(min=0).long(), ids.long()]  # [T, R]
+    return dense_lora_expand(h, shrunk, B, meta, slot_mask=slot_mask)

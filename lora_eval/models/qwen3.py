@@ -115,7 +115,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(f"{prefix}.q_proj", H, args.num_heads * D, bias)
         self.k_proj = Linear(f"{prefix}.k_proj", H, args.num_kv_heads * D, bias)
         self.v_proj = Linear(f"{prefix}.v_proj", H, args.num_kv_heads * D, bias)
-        self.o_proj = Linear(f"{prefix}.o_proj", args.num_heads * D, H, False)
+        self.o_proj = Linear(f"{prefix}.o_proj", args.num_heads * D, H, bias)
         self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
 
