@@ -29,13 +29,12 @@ import triton.language as tl
 
 # Block sizes and launch parameters (the only tuning knobs).
 BLOCK_N = 128  # rows of hidden per program
-BLOCK_V = 128  # vocab entries per logits tile
+BLOCK_V = 256  # vocab entries per logits tile
 BLOCK_H = 64  # reduction step over the hidden dim
 NUM_WARPS = 8
 NUM_STAGES = 3  # software pipelining depth for 2-byte inputs
 NUM_STAGES_FP32 = 2  # fp32 tiles take twice the shared memory
 COMBINE_BLOCK = 256  # rows per program of the combine kernel
-PROGRAMS_PER_SM = 2  # V_SPLITS is raised until the grid has this many programs per SM (when V allows)
 
 
 @triton.jit
@@ -118,16 +117,21 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_vocab(n: int, v: int, device: torch.device, v_splits: int | None = None) -> tuple[int, int]:
-    """(V_SPLITS, TILES): enough splits for PROGRAMS_PER_SM programs per SM (as far as V has tiles),
-    TILES rounded down to a power of two to bound recompiles; `v_splits` forces the split count."""
+    """(V_SPLITS, TILES). TILES, a power of two (bounding recompiles), minimises waves * (TILES + 1): whole
+    waves of one program per SM, each program paying its tiles plus about one tile of fixed cost.
+    `v_splits` forces the split count instead."""
     tiles = triton.cdiv(v, BLOCK_V)
-    if v_splits is None:
-        want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), triton.cdiv(n, BLOCK_N))
-        per_split = triton.cdiv(tiles, min(want, tiles))
-        per_split = 1 << (per_split.bit_length() - 1)
-    else:
+    if v_splits is not None:
         per_split = triton.cdiv(tiles, min(v_splits, tiles))
-    return triton.cdiv(tiles, per_split), per_split
+        return triton.cdiv(tiles, per_split), per_split
+    sms, row_blocks = _num_sms(device), triton.cdiv(n, BLOCK_N)
+    best = None
+    for per_split in (1 << k for k in range(tiles.bit_length())):
+        splits = triton.cdiv(tiles, per_split)
+        cost = triton.cdiv(row_blocks * splits, sms) * (per_split + 1)
+        if best is None or cost <= best[0]:  # ties go to fewer, longer programs
+            best = (cost, splits, per_split)
+    return best[1], best[2]
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -2,6 +2,6 @@
 
 from .config import AdapterConfig
 from .load import Adapter, load_adapter
-from .stack import AdapterStack, LoraBatch
+from .stack import AdapterStack
 
-__all__ = ["AdapterConfig", "Adapter", "load_adapter", "AdapterStack", "LoraBatch"]
+__all__ = ["AdapterConfig", "Adapter", "load_adapter", "AdapterStack"]

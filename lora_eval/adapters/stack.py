@@ -1,7 +1,7 @@
-"""Adapters side by side: per-site buffers with one slot per adapter, and the per-batch view the model uses.
+"""Adapters side by side: per-site buffers with one slot per adapter.
 
 Every buffer is padded to the largest rank among the adapters at that site; a slot whose adapter has no
-weight there stays zero and is left out of `slots`, so the torch path skips it.
+weight there stays zero and is left out of `slots` (and `slot_mask`), so the kernels skip it.
 """
 
 from __future__ import annotations
@@ -9,11 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels.dense_lora import dense_lora_ref, embedding_lora_ref
-from ..kernels.linear import linear_ref
-from ..models.layers import rms_norm
 from .load import Adapter
 
 
@@ -22,6 +18,7 @@ class DenseLoRA:
     A: torch.Tensor  # [S, R, in]
     B: torch.Tensor  # [S, out, R], scaling folded in
     slots: frozenset[int]
+    slot_mask: torch.Tensor | None = None  # [S] bool on the device: slot has weights here
 
 
 @dataclass
@@ -38,6 +35,7 @@ class EmbeddingLoRA:
     A: torch.Tensor  # [S, V, R]
     B: torch.Tensor  # [S, H, R]
     slots: frozenset[int]
+    slot_mask: torch.Tensor | None = None  # [S] bool on the device
 
 
 @dataclass
@@ -67,12 +65,12 @@ class AdapterStack:
             have = {i: a.dense[site] for i, a in enumerate(adapters) if site in a.dense}
             A = self._stack(S, {i: f[0] for i, f in have.items()}, rank_dim=0)  # [S, R, in]
             B = self._stack(S, {i: f[1] for i, f in have.items()}, rank_dim=1)  # [S, out, R]
-            self.dense[site] = DenseLoRA(A, B, frozenset(have))
+            self.dense[site] = DenseLoRA(A, B, frozenset(have), self._mask(S, have))
         for site in sorted({s for a in adapters for s in a.embedding}):
             have = {i: a.embedding[site] for i, a in enumerate(adapters) if site in a.embedding}
             A = self._stack(S, {i: f[0] for i, f in have.items()}, rank_dim=1)  # [S, V, R]
             B = self._stack(S, {i: f[1] for i, f in have.items()}, rank_dim=1)  # [S, H, R]
-            self.embedding[site] = EmbeddingLoRA(A, B, frozenset(have))
+            self.embedding[site] = EmbeddingLoRA(A, B, frozenset(have), self._mask(S, have))
         by_site = {m.site: m for m in model.modules() if hasattr(m, "site")}
         for site in sorted({s for a in adapters for s in a.experts}):
             experts = by_site[site]
@@ -99,6 +97,9 @@ class AdapterStack:
 
     def slot_of(self, name: str | None) -> int:
         return -1 if name is None else self.names.index(name)
+
+    def _mask(self, S, have) -> torch.Tensor:
+        return torch.tensor([i in have for i in range(S)], dtype=torch.bool, device=self.device)
 
     def _stack(self, S, tensors: dict[int, torch.Tensor], rank_dim: int) -> torch.Tensor:
         first = next(iter(tensors.values()))
@@ -127,53 +128,3 @@ class AdapterStack:
             index[1 + rank_dim] = slice(0, t.shape[rank_dim])
             buf[tuple(index)] = t  # an expert dim of 1 broadcasts to Ex
         return buf
-
-
-class LoraBatch:
-    """The stack as seen by one batch: which adapter slot each token row uses (-1 = none), grouped once."""
-
-    def __init__(self, stack: AdapterStack, token_slots: torch.Tensor):
-        self.stack = stack
-        self.token_slots = token_slots  # [T]
-        present = [s for s in torch.unique(token_slots).tolist() if s >= 0]
-        self.groups = {s: (token_slots == s).nonzero().squeeze(1) for s in present}  # slot -> rows [n]
-
-    def subset(self, rows: torch.Tensor) -> "LoraBatch":
-        return LoraBatch(self.stack, self.token_slots[rows])
-
-    def _groups(self, slots: frozenset[int]) -> list[tuple[int, torch.Tensor]]:
-        return [(s, rows) for s, rows in self.groups.items() if s in slots]
-
-    def linear(self, module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        override = self.stack.overrides.get(module.site)
-        if override is not None:
-            for s, rows in self._groups(override.slots):
-                own = override.params[s]
-                y[rows] = linear_ref(x[rows], own["weight"], own.get("bias"))
-        lora = self.stack.dense.get(module.site)
-        if lora is not None:
-            dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
-        return y
-
-    def norm(self, module, x: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
-        override = self.stack.overrides.get(module.site)
-        if override is not None:
-            for s, rows in self._groups(override.slots):
-                y[rows] = rms_norm(x[rows], override.params[s]["weight"], eps)
-        return y
-
-    def embedding(self, module, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        override = self.stack.overrides.get(module.site)
-        if override is not None:
-            for s, rows in self._groups(override.slots):
-                h[rows] = F.embedding(ids[rows], override.params[s]["weight"])
-        lora = self.stack.embedding.get(module.site)
-        if lora is not None:
-            embedding_lora_ref(h, ids, lora.A, lora.B, self._groups(lora.slots))
-        return h
-
-    def experts(self, site: str) -> tuple[ExpertLoRA | None, torch.Tensor]:
-        lora = self.stack.experts.get(site)
-        if lora is None or not any(s in lora.slots for s in self.groups):
-            return None, self.token_slots
-        return lora, self.token_slots

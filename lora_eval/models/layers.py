@@ -1,28 +1,21 @@
 """Building blocks shared by the model families: adapter-aware Linear, RMSNorm and Embedding, and RoPE.
 
 Each block knows its *site*: the Hugging Face / PEFT module path (`model.layers.3.self_attn.q_proj`), which
-is how adapters address it. With `lora=None` a block is the plain base op; with a LoraBatch it adds each
-row's adapter delta (or swaps in the adapter's own copy of the weight, for `modules_to_save`).
+is how adapters address it. A block holds weights only: the Forward it is called with (lora_eval/forward.py)
+computes the op on its backend and adds each row's adapter delta.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedError
-from ..kernels.linear import linear_ref
-
-if TYPE_CHECKING:
-    from ..adapters.stack import LoraBatch
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), plus per-row LoRA when a LoraBatch is given."""
+    """y = x W^T (+ b), plus per-row LoRA."""
 
     def __init__(self, site: str, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -31,9 +24,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # [out, in]
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None  # [out]
 
-    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        y = linear_ref(x, self.weight, self.bias)  # [T, out]
-        return y if lora is None else lora.linear(self, x, y)
+    def forward(self, x: torch.Tensor, fwd) -> torch.Tensor:
+        return fwd.linear(self, x)  # [T, out]
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +36,8 @@ class RMSNorm(nn.Module):
         self.site, self.eps = site, eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)  # [dim]
 
-    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        y = rms_norm(x, self.weight, self.eps)
-        return y if lora is None else lora.norm(self, x, y, self.eps)
+    def forward(self, x: torch.Tensor, fwd) -> torch.Tensor:
+        return fwd.norm(self, x)
 
 
 class FusedExperts(nn.Module):
@@ -76,9 +67,8 @@ class Embedding(nn.Module):
         self.site = site
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)  # [V, H]
 
-    def forward(self, ids: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        h = F.embedding(ids, self.weight)  # [T, H]
-        return h if lora is None else lora.embedding(self, ids, h)
+    def forward(self, ids: torch.Tensor, fwd) -> torch.Tensor:
+        return fwd.embedding(self, ids)  # [T, H]
 
 
 def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> torch.Tensor:

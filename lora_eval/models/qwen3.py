@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
-from ..kernels.fused_moe import fused_moe_ref
 from .layers import Embedding, FusedExperts, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "llama")
@@ -119,24 +118,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x, cos, sin, lengths, lora):
+    def forward(self, x, cos, sin, fwd):
         B, L, _ = cos.shape
         T = x.shape[0]
-        q = self.q_proj(x, lora).view(T, self.num_heads, self.head_dim)  # [T, nh, D]
-        k = self.k_proj(x, lora).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
-        v = self.v_proj(x, lora).view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
+        q = self.q_proj(x, fwd).view(T, self.num_heads, self.head_dim)  # [T, nh, D]
+        k = self.k_proj(x, fwd).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
+        v = self.v_proj(x, fwd).view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q, lora), self.k_norm(k, lora)
+            q, k = self.q_norm(q, fwd), self.k_norm(k, fwd)
         q = apply_rope(q.view(B, L, self.num_heads, self.head_dim), cos, sin)  # [B, L, nh, D]
         k = apply_rope(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)  # [B, L, nkv, D]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, L, D]
-        out = torch.zeros_like(q)  # [B, nh, L, D]
-        for b, n in enumerate(lengths):  # each row over its own length: results do not depend on padding
-            out[b, :, :n] = F.scaled_dot_product_attention(
-                q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], is_causal=True,
-                scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)[0]  # [nh, n, D]
-        out = out.transpose(1, 2)  # [B, L, nh, D]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim), lora)  # [T, H]
+        out = fwd.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.head_dim**-0.5)
+        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]
+        return self.o_proj(out, fwd)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -147,8 +141,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(f"{prefix}.up_proj", H, I, bias)
         self.down_proj = Linear(f"{prefix}.down_proj", I, H, bias)
 
-    def forward(self, x, lora):
-        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)  # [T, H]
+    def forward(self, x, fwd):
+        return self.down_proj(F.silu(self.gate_proj(x, fwd)) * self.up_proj(x, fwd), fwd)  # [T, H]
 
 
 class SparseMoe(nn.Module):
@@ -158,15 +152,13 @@ class SparseMoe(nn.Module):
         self.gate = Linear(f"{prefix}.gate", args.hidden_size, args.num_experts)  # the router
         self.experts = FusedExperts(f"{prefix}.experts", args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
-    def forward(self, x, lora):
-        logits = self.gate(x, lora)  # [T, E]
+    def forward(self, x, fwd):
+        logits = self.gate(x, fwd)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k], [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        expert_lora, slots = (None, None) if lora is None else lora.experts(self.experts.site)
-        return fused_moe_ref(x, ids, weights.to(x.dtype), self.experts.gate_up_proj, self.experts.down_proj,
-                             expert_lora, slots)  # [T, H]
+        return fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -179,9 +171,9 @@ class DecoderLayer(nn.Module):
                                                 args.rms_norm_eps)
         self.mlp = SparseMoe(args, f"{prefix}.mlp") if index in args.sparse_layers else MLP(args, f"{prefix}.mlp")
 
-    def forward(self, h, cos, sin, lengths, lora):
-        h = h + self.self_attn(self.input_layernorm(h, lora), cos, sin, lengths, lora)  # [T, H]
-        return h + self.mlp(self.post_attention_layernorm(h, lora), lora)  # [T, H]
+    def forward(self, h, cos, sin, fwd):
+        h = h + self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd)  # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h, fwd), fwd)  # [T, H]
 
 
 class Backbone(nn.Module):
@@ -193,8 +185,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """input_ids [B, L] right-padded to the row `lengths` -> final hidden states [B*L, H] (padding rows are
-    garbage); `logits` applies lm_head to some of them."""
+    """input_ids [B, L] (rows right-padded; `fwd` knows their lengths) -> final hidden states [B*L, H]
+    (padding rows are garbage); `logits` applies lm_head to some of them."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -203,18 +195,17 @@ class CausalLM(nn.Module):
         self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope, args.where), persistent=False)  # [D/2]
 
-    def forward(self, input_ids: torch.Tensor, lora=None, lengths: list[int] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
         B, L = input_ids.shape
-        lengths = lengths or [L] * B
         positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
-        h = self.model.embed_tokens(input_ids.reshape(-1), lora)  # [T, H]
+        h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [B, L, D]
         for layer in self.model.layers:
-            h = layer(h, cos, sin, lengths, lora)  # [T, H]
-        return self.model.norm(h, lora)  # [T, H]
+            h = layer(h, cos, sin, fwd)  # [T, H]
+        return self.model.norm(h, fwd)  # [T, H]
 
-    def logits(self, h: torch.Tensor, lora=None) -> torch.Tensor:
-        return self.lm_head(h, lora)  # [N, V]
+    def logits(self, h: torch.Tensor, fwd) -> torch.Tensor:
+        return self.lm_head(h, fwd)  # [N, V]
 
 
 def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,0 +1,130 @@
+"""How one forward pass computes its ops: the backend — plain torch (the CPU path and the oracle) or the
+Triton kernels (the GPU path) — and, when adapters are loaded, the adapter slot of each token row (-1 none).
+
+The model code calls `fwd.linear(module, x)`, `fwd.norm(...)`, `fwd.embedding(...)`, `fwd.moe(...)` and
+`fwd.attention(...)`; each adds the rows' adapter deltas (or swaps in an adapter's own weights, for
+modules_to_save) on top of the base op. The Triton path never syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
+from .kernels.fused_moe import fused_moe_ref
+from .kernels.linear import linear_ref
+from .models.layers import rms_norm
+
+BACKENDS = ("torch", "triton")
+
+
+class Forward:
+    def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend, self.lengths = backend, lengths
+        self.triton = backend == "triton"
+        self.stack = stack if token_slots is not None else None
+        self.token_slots = token_slots  # [T]
+        if self.stack is None:
+            return
+        if self.triton:
+            from .kernels.dense_lora import lora_metadata
+
+            self.meta = lora_metadata(token_slots, len(self.stack.names))
+        else:
+            present = [s for s in torch.unique(token_slots).tolist() if s >= 0]
+            self.groups = {s: (token_slots == s).nonzero().squeeze(1) for s in present}  # slot -> rows [n]
+
+    def subset(self, rows: torch.Tensor) -> "Forward":
+        """The same pass restricted to some token rows (lm_head chunks)."""
+        slots = self.token_slots[rows] if self.stack is not None else None
+        return Forward(self.backend, self.lengths, self.stack, slots)
+
+    # ---- per-slot selection ------------------------------------------------------------------------------
+    def _groups(self, slots: frozenset[int]) -> list[tuple[int, torch.Tensor]]:
+        """torch path: (slot, row indices) for the slots present in the batch among `slots`."""
+        return [(s, rows) for s, rows in self.groups.items() if s in slots]
+
+    def _replace(self, override, y: torch.Tensor, compute) -> torch.Tensor:
+        """Rows of an overriding slot get compute(rows or None, params) instead of the base result."""
+        if self.triton:  # no host sync: compute for all rows and select (modules_to_save is rare)
+            for s in override.slots:
+                mask = (self.token_slots == s).view(-1, *[1] * (y.dim() - 1))
+                y = torch.where(mask, compute(None, override.params[s]), y)
+            return y
+        for s, rows in self._groups(override.slots):
+            y[rows] = compute(rows, override.params[s])
+        return y
+
+    # ---- ops ---------------------------------------------------------------------------------------------
+    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        base = F.linear if self.triton else linear_ref
+        y = base(x, module.weight, module.bias)  # [T, out]
+        if self.stack is None:
+            return y
+        override = self.stack.overrides.get(module.site)
+        if override is not None:
+            y = self._replace(override, y, lambda rows, p: base(x if rows is None else x[rows], p["weight"],
+                                                                   p.get("bias")))
+        lora = self.stack.dense.get(module.site)
+        if lora is not None:
+            if self.triton:
+                from .kernels.dense_lora import dense_lora
+
+                dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)
+            else:
+                dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
+        return y
+
+    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, module.weight, module.eps)
+        override = self.stack.overrides.get(module.site) if self.stack is not None else None
+        if override is not None:
+            y = self._replace(override, y, lambda rows, p: rms_norm(x if rows is None else x[rows], p["weight"],
+                                                                      module.eps))
+        return y
+
+    def embedding(self, module, ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids, module.weight)  # [T, H]
+        if self.stack is None:
+            return h
+        override = self.stack.overrides.get(module.site)
+        if override is not None:
+            h = self._replace(override, h, lambda rows, p: F.embedding(ids if rows is None else ids[rows],
+                                                                        p["weight"]))
+        lora = self.stack.embedding.get(module.site)
+        if lora is not None:
+            if self.triton:
+                from .kernels.dense_lora import embedding_lora
+
+                embedding_lora(h, ids, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)
+            else:
+                embedding_lora_ref(h, ids, lora.A, lora.B, self._groups(lora.slots))
+        return h
+
+    def moe(self, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed experts of one layer: x [T, H], topk [T, k] -> [T, H]."""
+        lora = self.stack.experts.get(experts.site) if self.stack is not None else None
+        if self.triton:
+            from .kernels.fused_moe import fused_moe
+
+            return fused_moe(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
+                             self.token_slots)
+        if lora is not None and not any(s in lora.slots for s in self.groups):
+            lora = None
+        return fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
+                             self.token_slots)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention over right-padded rows: q [B, nh, L, D], k/v [B, nkv, L, D] -> [B, nh, L, D]."""
+        gqa = q.shape[1] != k.shape[1]
+        if self.triton:  # one call: padding sits after every valid position, so causal masking suffices
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = torch.zeros_like(q)  # each row over its own length: results do not depend on the batch
+        for b, n in enumerate(self.lengths):
+            out[b, :, :n] = F.scaled_dot_product_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
+                                                           is_causal=True, scale=scale, enable_gqa=gqa)[0]
+        return out
