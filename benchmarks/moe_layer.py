@@ -18,7 +18,7 @@ import torch
 import triton
 
 from lora_eval.adapters.stack import ExpertLoRA
-from lora_eval.kernels.fused_moe import CONFIGS, fused_moe, fused_moe_ref, pick_config
+from lora_eval.kernels.fused_moe import fused_moe, fused_moe_ref, pick_config
 
 E, K_TOP, H, I, RANK, SLOTS = 128, 8, 2048, 768, 16, 4
 TOKENS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -82,7 +82,9 @@ def main():
         err_gmm = ((grouped_mm_layer(x, ids, w, w_gu, w_d).float() - ref).norm() / ref.norm()).item()
         configs = [pick_config(T, K_TOP, E)]
         if args.sweep:
-            configs += [dict(c, BLOCK_M=bm) for c, bm in itertools.product(CONFIGS.values(), (16, 32, 64, 128))]
+            configs += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw, num_stages=ns)
+                        for bm, (bn, bk), nw, ns in itertools.product(
+                            (16, 32, 64, 128), ((64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (3, 4))]
         best = None
         for cfg in configs:
             try:

@@ -52,9 +52,9 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 # Triton: one grouped GEMM kernel over aligned blocks (kernels/moe_align.py), used twice per layer:
 #   gate_up: x[pair // k] @ W_gu[e]^T -> gate, up (two accumulators) -> silu(gate) * up -> act [P, I]
 #   down:    act[pair] @ W_d[e]^T -> * routing weight -> y [P, H];   out[t] = sum_j y[t * k + j] (fp32)
-# LoRA rides in the same kernel: the shrink (x @ A[s, e]^T) accumulates from the x tile the base GEMM
-# already loaded; the expand adds shrink @ B[s, e]^T to the accumulators before the epilogue, for the rows
-# of adapter slot s only. A block whose pairs have no adapter runs the plain loop.
+# LoRA: a small shrink kernel computes x @ A[s, e]^T once per aligned block (fp32 [blocks * BLOCK_M, R]); the
+# grouped GEMM then adds shrink @ B[s, e]^T to its accumulators before the epilogue, for the rows of adapter
+# slot s only (a block nearly always holds one adapter). A block whose pairs have no adapter costs nothing.
 # ---------------------------------------------------------------------------------------------------------
 
 import triton  # noqa: E402
@@ -70,9 +70,15 @@ CONFIGS = {
 }
 
 
-def pick_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+SHRINK_BLOCK_K = 64  # the LoRA shrink kernel's step over the input features
+
+
+def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     pairs_per_expert = num_tokens * top_k / num_experts
-    return dict(CONFIGS["small" if pairs_per_expert <= 16 else "medium" if pairs_per_expert <= 128 else "large"])
+    config = dict(CONFIGS["small" if pairs_per_expert <= 16 else "medium" if pairs_per_expert <= 128 else "large"])
+    if dtype == torch.float32:  # 4-byte tiles: halve the K step and the pipeline depth to fit shared memory
+        config.update(BLOCK_K=min(config["BLOCK_K"], 32), num_stages=2)
+    return config
 
 
 @triton.jit
@@ -102,12 +108,40 @@ def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOC
 
 
 @triton.jit
+def moe_lora_shrink_kernel(
+    a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, pair_slot_ptr, block_lo_ptr,
+    block_hi_ptr, K, P, R, top_k,
+    stride_am, stride_ak, stride_las, stride_lae, stride_lar, stride_lak, stride_sm,
+    ROWS_ARE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """shrunk[block rows] = a[rows] @ A[slot of the row, e]^T (fp32) for one aligned block; blocks without an
+    adapter are skipped (their rows are never read)."""
+    pid_m = tl.program_id(0)
+    hi = tl.load(block_hi_ptr + pid_m)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr) or hi < 0:
+        return
+    lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pair < P
+    rows = ((pair // top_k) if ROWS_ARE_TOKENS else pair).to(tl.int64)
+    slot = tl.load(pair_slot_ptr + pair, mask=valid, other=-1)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in range(lo, hi + 1):  # each row picks up its own adapter's shrink; usually one pass
+        acc += _shrink(a_ptr, rows, valid & (slot == s), la_ptr + s * stride_las + e * stride_lae, K, R,
+                       stride_am, stride_ak, stride_lar, stride_lak, BLOCK_M, BLOCK_K, BLOCK_R)
+    offs_r = tl.arange(0, BLOCK_R)
+    tl.store(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :], acc, mask=(offs_r < R)[None, :])
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
-    la_ptr, lb_ptr, pair_slot_ptr, block_lo_ptr, block_hi_ptr,
+    shrunk_ptr, lb_ptr, pair_slot_ptr, block_lo_ptr, block_hi_ptr,
     N, K, P, R, top_k, num_blocks,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_las, stride_lae, stride_lar, stride_lak, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
+    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -150,12 +184,11 @@ def moe_gemm_kernel(
         lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
         hi = tl.load(block_hi_ptr + pid_m)
         slot = tl.load(pair_slot_ptr + pair, mask=valid, other=-1)
+        offs_r = tl.arange(0, BLOCK_R)
         for s in range(lo, hi + 1):  # usually one adapter per block, none for base-only blocks
-            mine = valid & (slot == s)
-            la = la_ptr + s * stride_las + e * stride_lae
+            shrunk = tl.load(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :],
+                             mask=(valid & (slot == s))[:, None] & (offs_r < R)[None, :], other=0.0)
             lb = lb_ptr + s * stride_lbs + e * stride_lbe
-            shrunk = _shrink(a_ptr, rows, mine, la, K, R, stride_am, stride_ak, stride_lar, stride_lak,
-                             BLOCK_M, BLOCK_K, BLOCK_R)
             acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R)
             if GATED:
                 acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
@@ -168,29 +201,42 @@ def moe_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def _lora_args(A: torch.Tensor | None, B: torch.Tensor | None, dummy: torch.Tensor):
-    """Pointers and strides of one stacked factor pair; an expert dim of 1 gets stride 0 (broadcast)."""
-    if A is None:
-        return (dummy, dummy, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-    sa = (A.stride(0), A.stride(1) if A.shape[1] > 1 else 0, A.stride(2), A.stride(3))
-    sb = (B.stride(0), B.stride(1) if B.shape[1] > 1 else 0, B.stride(2), B.stride(3))
-    return (A, B, A.shape[2], *sa, *sb)
+def _expert_stride(t: torch.Tensor) -> int:
+    """Stride of a stacked factor's expert dim; 0 when it is 1 (one factor shared by all experts)."""
+    return t.stride(1) if t.shape[1] > 1 else 0
 
 
 def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
              config):
-    """Launch moe_gemm_kernel over every aligned block (grid from host-known sizes only: graph-safe)."""
+    """Launch the grouped GEMM (and, with LoRA, its shrink) over every aligned block. Grids come from
+    host-known sizes only, so the launches can be captured in a CUDA graph."""
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
-    la, lb, R, *strides = _lora_args(lora_A, lora_B, a)
-    BLOCK_R = max(16, triton.next_power_of_2(R)) if lora_A is not None else 16
+    BM = config["BLOCK_M"]
+    if lora_A is not None:
+        R = lora_A.shape[2]
+        BLOCK_R = max(16, triton.next_power_of_2(R))
+        shrunk = torch.empty(align.num_blocks * BM, R, dtype=torch.float32, device=a.device)  # [blocks*BM, R]
+        moe_lora_shrink_kernel[(align.num_blocks,)](
+            a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.pair_slot,
+            align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
+            a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
+            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_M=BM, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=BLOCK_R,
+            num_warps=4)
+        lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
+                lora_B.stride(3))
+    else:
+        R, BLOCK_R = 0, 16
+        lora = (a, a, 0, 0, 0, 0, 0)
+    shrunk, lb, *lora_strides = lora
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
     moe_gemm_kernel[grid](
         a, w, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
-        la, lb, align.pair_slot, align.block_slot_lo, align.block_slot_hi,
+        shrunk, lb, align.pair_slot, align.block_slot_lo, align.block_slot_hi,
         N, K, align.num_pairs, R, top_k, align.num_blocks,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), *strides,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        *lora_strides,
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=topk_weights is not None,
         HAS_LORA=lora_A is not None, BLOCK_R=BLOCK_R, **config,
     )
@@ -201,7 +247,7 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype."""
     T, k = topk_ids.shape
     E, H, I = w_down.shape
-    config = config or pick_config(T, k, E)
+    config = config or pick_config(T, k, E, x.dtype)
     num_slots = lora.gate_up_A.shape[0] if lora is not None else 0
     align = moe_align(topk_ids, E, config["BLOCK_M"], token_slots if lora is not None else None, num_slots)
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [P, I]
