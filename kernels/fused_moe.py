@@ -62,28 +62,31 @@ import triton.language as tl  # noqa: E402
 
 from .moe_align import moe_align  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by token count, for the gate_up and down GEMMs
+# Tile configs by pairs per expert (T * k / E), the fastest of a 64-config sweep on an H100 at Qwen3-30B-A3B
+# shapes (benchmarks/moe_layer.py --sweep; BENCHMARKS.md)
 CONFIGS = {
-    "small": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
-    "medium": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    "large": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    16: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+    64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
+    256: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
+    None: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
 }
-
-
-SHRINK_BLOCK_K = 64  # the LoRA shrink kernel's step over the input features
 
 
 def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     pairs_per_expert = num_tokens * top_k / num_experts
-    config = dict(CONFIGS["small" if pairs_per_expert <= 16 else "medium" if pairs_per_expert <= 128 else "large"])
+    limit = next((n for n in CONFIGS if n is not None and pairs_per_expert <= n), None)
+    config = dict(CONFIGS[limit])
     if dtype == torch.float32:  # 4-byte tiles: halve the K step and the pipeline depth to fit shared memory
         config.update(BLOCK_K=min(config["BLOCK_K"], 32), num_stages=2)
     return config
 
 
+SHRINK_BLOCK_K = 64  # the LoRA shrink kernel's step over the input features
+
+
 @triton.jit
 def _shrink(a_ptr, rows, row_mask, la_ptr, K, R, stride_am, stride_ak, stride_lar, stride_lak,
-            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """[BLOCK_M, BLOCK_R] fp32: rows of a @ A^T for one (slot, expert) factor A [R, K] at la_ptr."""
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
@@ -94,17 +97,18 @@ def _shrink(a_ptr, rows, row_mask, la_ptr, K, R, stride_am, stride_ak, stride_la
                     mask=row_mask[:, None] & (kk[None, :] < K), other=0.0)
         la = tl.load(la_ptr + offs_r[None, :] * stride_lar + kk[:, None] * stride_lak,
                      mask=(offs_r[None, :] < R) & (kk[:, None] < K), other=0.0)
-        acc += tl.dot(a, la)
+        acc += tl.dot(a, la, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
-def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R: tl.constexpr):
+def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
     """acc += shrunk @ B^T for B [N, R] at lb_ptr (columns offs_n)."""
     offs_r = tl.arange(0, BLOCK_R)
     lb = tl.load(lb_ptr + offs_r[:, None] * stride_lbr + offs_n[None, :] * stride_lbn,
                  mask=(offs_r[:, None] < R) & n_mask[None, :], other=0.0)
-    return acc + tl.dot(shrunk.to(lb.dtype), lb)
+    return acc + tl.dot(shrunk.to(lb.dtype), lb, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -113,6 +117,7 @@ def moe_lora_shrink_kernel(
     block_hi_ptr, K, P, R, top_k,
     stride_am, stride_ak, stride_las, stride_lae, stride_lar, stride_lak, stride_sm,
     ROWS_ARE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """shrunk[block rows] = a[rows] @ A[slot of the row, e]^T (fp32) for one aligned block; blocks without an
     adapter are skipped (their rows are never read)."""
@@ -130,7 +135,7 @@ def moe_lora_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(lo, hi + 1):  # each row picks up its own adapter's shrink; usually one pass
         acc += _shrink(a_ptr, rows, valid & (slot == s), la_ptr + s * stride_las + e * stride_lae, K, R,
-                       stride_am, stride_ak, stride_lar, stride_lak, BLOCK_M, BLOCK_K, BLOCK_R)
+                       stride_am, stride_ak, stride_lar, stride_lak, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION)
     offs_r = tl.arange(0, BLOCK_R)
     tl.store(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :], acc, mask=(offs_r < R)[None, :])
 
@@ -144,7 +149,7 @@ def moe_gemm_kernel(
     stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
     GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up."""
@@ -174,10 +179,10 @@ def moe_gemm_kernel(
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up += tl.dot(a, w_up)
+            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
@@ -189,10 +194,10 @@ def moe_gemm_kernel(
             shrunk = tl.load(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :],
                              mask=(valid & (slot == s))[:, None] & (offs_r < R)[None, :], other=0.0)
             lb = lb_ptr + s * stride_lbs + e * stride_lbe
-            acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R)
+            acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
             if GATED:
                 acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
-                                 BLOCK_R)
+                                 BLOCK_R, DOT_PRECISION)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
@@ -213,6 +218,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
     BM = config["BLOCK_M"]
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 stays fp32; 16-bit inputs ignore it
     if lora_A is not None:
         R = lora_A.shape[2]
         BLOCK_R = max(16, triton.next_power_of_2(R))
@@ -222,7 +228,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
             align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
             a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
             shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_M=BM, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=BLOCK_R,
-            num_warps=4)
+            DOT_PRECISION=precision, num_warps=4)
         lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
                 lora_B.stride(3))
     else:
@@ -238,7 +244,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         *lora_strides,
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=topk_weights is not None,
-        HAS_LORA=lora_A is not None, BLOCK_R=BLOCK_R, **config,
+        HAS_LORA=lora_A is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=precision, **config,
     )
     return out
 

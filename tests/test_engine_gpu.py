@@ -46,18 +46,25 @@ def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, se
     assert max((a - b).abs().max().item() for a, b in zip(ref, out)) < 1e-4
 
 
+def k2(ref, out) -> float:
+    d = torch.cat([a - b for a, b in zip(ref, out)])
+    return (d * d / 2).mean().item()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype,max_k2", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])
-def test_cuda_engine_matches_cpu_float32(moe_model, adapters, seed, dtype, max_k2):
+def test_cuda_engine_matches_cpu_float32(moe_model, adapters, seed):
+    """float32 on CUDA (IEEE dots) against the CPU engine; bf16 on CUDA no further from it than the CPU
+    engine's own bf16 run (the precision floor of these deliberately peaked random models)."""
     seqs = random_sequences(12, VOCAB, seed=seed, max_len=40)
     tags = ["peft", "heads", "tinker", None] * 3
     ref = run(moe_model, adapters, "torch", "cpu", torch.float32, seqs, tags)
-    out = run(moe_model, adapters, None, "cuda", dtype, seqs, tags)
-    d = torch.cat([a - b for a, b in zip(ref, out)])
-    k2 = (d * d / 2).mean().item()
-    print(f"{dtype}: k2 {k2:.3g}, max |d| {d.abs().max().item():.3g}")
-    assert k2 < max_k2
+    fp32 = k2(ref, run(moe_model, adapters, None, "cuda", torch.float32, seqs, tags))
+    bf16 = k2(ref, run(moe_model, adapters, None, "cuda", torch.bfloat16, seqs, tags))
+    floor = k2(ref, run(moe_model, adapters, "torch", "cpu", torch.bfloat16, seqs, tags))
+    print(f"k2 vs CPU float32: cuda float32 {fp32:.3g}, cuda bf16 {bf16:.3g}, cpu bf16 {floor:.3g}")
+    assert fp32 < 1e-8
+    assert bf16 < 2 * floor + 1e-5
 
 
 @pytest.mark.gpu
