@@ -2,8 +2,7 @@
 
 Shapes: x [T, in], y [T, out], A [S, R, in], B [S, out, R] (the adapter's scaling already folded into B),
 groups: (slot, row indices) for each slot present in the batch that has weights here.
-The plain-torch references come first; the Triton kernels follow (triton is imported on their first launch
-only, so importing this module never imports it). Their metadata and intermediates
+The plain-torch references come first; the Triton kernels follow. Their metadata and intermediates
 (BLOCK_R = max(16, next_pow2(R)), R padding masked):
   token_slots [T] int           adapter slot of each row, -1 = none
   LoraMeta.sorted_rows [T]      int32 row ids ordered by slot (stable); the -1 rows come first
@@ -19,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from .linear import linear_ref
 
@@ -57,7 +58,6 @@ def embedding_lora_ref(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: t
 # Grids come from host-known shapes only, sized for the worst case (every row in one slot): a program whose
 # tile lies beyond its slot's segment returns at once, and rows with slot -1 belong to no segment. Nothing
 # in the launch path reads a device value on the host, so the launches can be captured in a CUDA graph.
-# Triton is imported on the first launch: importing this module (the CPU engine does) never imports it.
 # ---------------------------------------------------------------------------------------------------------
 
 # Picked on an H100 at T=4096, in=2048, out=4096, S=4, R=16, bf16: shrink ~16 us, expand ~30 us (as long as a
@@ -68,25 +68,6 @@ BLOCKS = {
     "expand": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=1),  # grid (cdiv(T, BM), cdiv(out, BN), S)
 }
 SHRINK_SMEM = 160 * 1024  # bytes: num_stages * (BLOCK_M + BLOCK_R) * BLOCK_K * element size
-
-tl = None  # triton.language, bound by _lazy_jit on the first launch
-
-
-class _lazy_jit:
-    """`@triton.jit`, applied when the kernel is first launched (so TRITON_INTERPRET is read then too)."""
-
-    def __init__(self, fn):
-        self.fn, self.kernel = fn, None
-
-    def __getitem__(self, grid):
-        if self.kernel is None:
-            global tl
-            import triton
-            import triton.language as tl
-
-            self.kernel = triton.jit(self.fn)
-        return self.kernel[grid]
-
 
 @dataclass
 class LoraMeta:
@@ -112,7 +93,7 @@ def lora_metadata(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
                     row_slot=slots.to(torch.int32), num_slots=num_slots)
 
 
-@_lazy_jit
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr, sorted_rows_ptr, slot_start_ptr, slot_mask_ptr, K, R,
     stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_om, stride_or,
@@ -146,7 +127,7 @@ def _shrink_kernel(
     tl.store(out_ptrs, acc, mask=row_mask[:, None] & (offs_r[None, :] < R))
 
 
-@_lazy_jit
+@triton.jit
 def _expand_kernel(
     y_ptr, s_ptr, b_ptr, sorted_rows_ptr, slot_start_ptr, slot_mask_ptr, N, R,
     stride_ym, stride_yn, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
