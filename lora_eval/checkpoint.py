@@ -1,4 +1,5 @@
-"""Reading tensors from local safetensors files: one file, or shards behind an index.
+"""Reading local files: JSON / JSONL documents, and tensors from safetensors files (one, or shards behind an
+index).
 
 Every failure (missing file, truncated or corrupt file, missing key, wrong shape) becomes an InputError
 that names the file and the key, never a stack trace from deep inside safetensors.
@@ -32,6 +33,22 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise InputError(path, f"expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """One JSON object per non-empty line of `path`; an InputError names the line that is not one."""
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(path, f"line {n} is not valid JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise InputError(path, f"line {n}: expected a JSON object")
+        rows.append(row)
+    return rows
 
 
 class TensorFiles:

@@ -6,7 +6,6 @@ optional mask and sampler_logprobs (same length). The format is specified in ref
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 from pathlib import Path
@@ -16,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from .checkpoint import read_jsonl
 from .errors import InputError
 
 COLUMNS = ["sample_id", "adapter", "input_ids", "logprobs", "mask", "sampler_logprobs"]
@@ -39,7 +39,7 @@ def read_reference(path: str | Path, adapter: str | None = None) -> pd.DataFrame
         except (pa.ArrowException, OSError) as e:
             raise InputError(path, f"not a readable Parquet file ({e})") from None
     elif suffix in (".jsonl", ".json"):
-        frame = _read_jsonl(path)
+        frame = pd.DataFrame(read_jsonl(path))
     elif suffix == ".pt":
         if adapter is None:
             raise InputError(path, "a .pt dump has no adapter column: give it as NAME=FILE.pt (NAME 'base' for the "
@@ -50,21 +50,6 @@ def read_reference(path: str | Path, adapter: str | None = None) -> pd.DataFrame
     if adapter is not None:
         frame["adapter"] = None if adapter == BASE else adapter
     return validate(frame, path)
-
-
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(path, f"line {n} is not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise InputError(path, f"line {n}: expected a JSON object")
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def _read_pt(path: Path) -> pd.DataFrame:

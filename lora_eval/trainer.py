@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import warnings
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pandas as pd
 import torch
 
 from .adapters import load_adapter
+from .checkpoint import read_jsonl
 from .engine import DTYPES
 from .errors import InputError
 from .progress import progress
@@ -37,15 +37,7 @@ def read_prompts(path: str | Path, model_dir: str | Path) -> pd.DataFrame:
         raise InputError(path, "prompts file not found")
     tokenizer = None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(path, f"line {n} is not valid JSON ({e})") from None
-        if not isinstance(item, dict):
-            raise InputError(path, f"line {n}: expected a JSON object")
+    for n, item in enumerate(read_jsonl(path), start=1):
         mask = item.get("mask")
         if "input_ids" in item:
             ids = item["input_ids"]
@@ -59,7 +51,7 @@ def read_prompts(path: str | Path, model_dir: str | Path) -> pd.DataFrame:
                 ids = prompt + response
                 mask = [i + 1 >= len(prompt) for i in range(len(ids) - 1)]
         else:
-            raise InputError(path, f"line {n}: expected 'input_ids', 'text', or 'prompt' and 'response'")
+            raise InputError(path, f"prompt {n}: expected 'input_ids', 'text', or 'prompt' and 'response'")
         rows.append(dict(sample_id=str(item.get("sample_id", n)), adapter=item.get("adapter"), input_ids=ids,
                          mask=mask))
     if not rows:
@@ -100,7 +92,8 @@ def _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, qui
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).to(device).eval()
     vocab = model.config.vocab_size
     for row in frame.itertuples():
-        if any(not 0 <= t < vocab for t in row.input_ids) or len(row.input_ids) < 2:
+        ids = row.input_ids
+        if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise InputError(prompts, f"needs at least 2 token ids, all in [0, {vocab})", key=f"sample {row.sample_id}")
     logprobs: dict[int, list[float]] = {}
     with progress(len(frame), "dump-reference", "sample", quiet) as bar:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from lora_eval.cli import cli
 from lora_eval.inspection import COLUMNS, inspect_adapters
 from tests.builders import load_hf, save_random_model, save_random_peft_adapter, write_expert_adapter
+from tests.cli_checks import assert_input_error, assert_no_traceback
 from tests.conftest import MOE_OVERRIDES
 
 PREFIX = "base_model.model."
@@ -44,23 +45,6 @@ def inspect(model_dir, **adapters):
     return CliRunner().invoke(cli, args)
 
 
-def assert_no_traceback(result):
-    for stream in (result.stdout, result.stderr):
-        assert "Traceback" not in stream, stream
-
-
-def assert_input_error(result, *needles: str) -> str:
-    """Exit 2, nothing on stdout, exactly one `error: ...` line on stderr containing every needle; returns it."""
-    assert_no_traceback(result)
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr, result.exception)
-    assert result.stdout == "", result.stdout
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    line = lines[0]
-    assert line.startswith("error: "), line
-    for needle in needles:
-        assert needle in line, f"{needle!r} not in {line!r}"
-    return line
 
 
 def copy_dir(src: Path, dst: Path) -> Path:

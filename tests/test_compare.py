@@ -40,6 +40,7 @@ from lora_eval.references import read_reference, write_reference
 from lora_eval.trainer import dump_reference
 from tests.builders import hf_logprobs, load_hf, peft_oracle, random_sequences, save_random_peft_adapter, \
     write_expert_adapter
+from tests.cli_checks import assert_input_error, assert_no_traceback
 
 VOCAB = 96  # tests.builders' tiny vocabulary
 ADAPTERS = ("peft", "split")  # sorted: dump_reference runs the PEFT adapter first, then unloads it
@@ -72,23 +73,6 @@ def compare_cli(art, references, out, *extra, adapters=None):
     return run_cli(*args, *extra)
 
 
-def assert_no_traceback(result):
-    for stream in (result.stdout, result.stderr):
-        assert "Traceback" not in stream, stream
-
-
-def assert_input_error(result, *needles: str) -> str:
-    """Exit 2, nothing on stdout, exactly one `error: ...` line on stderr containing every needle; returns it."""
-    assert_no_traceback(result)
-    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr, result.exception)
-    assert result.stdout == "", result.stdout
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    line = lines[0]
-    assert line.startswith("error: "), line
-    for needle in needles:
-        assert needle in line, f"{needle!r} not in {line!r}"
-    return line
 
 
 def read_summary(path: Path) -> pd.DataFrame:
