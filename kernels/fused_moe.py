@@ -60,6 +60,7 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from .dense_lora import dense_lora_shrink, lora_metadata  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
 
 # Tile configs by pairs per expert (T * k / E), the fastest of a 64-config sweep on an H100 at Qwen3-30B-A3B
@@ -149,10 +150,11 @@ def moe_gemm_kernel(
     stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
-    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up."""
+    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up.
+    SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
@@ -190,8 +192,9 @@ def moe_gemm_kernel(
         hi = tl.load(block_hi_ptr + pid_m)
         slot = tl.load(pair_slot_ptr + pair, mask=valid, other=-1)
         offs_r = tl.arange(0, BLOCK_R)
+        shrunk_rows = rows if SHRUNK_BY_TOKEN else offs_m.to(tl.int64)
         for s in range(lo, hi + 1):  # usually one adapter per block, none for base-only blocks
-            shrunk = tl.load(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :],
+            shrunk = tl.load(shrunk_ptr + shrunk_rows[:, None] * stride_sm + offs_r[None, :],
                              mask=(valid & (slot == s))[:, None] & (offs_r < R)[None, :], other=0.0)
             lb = lb_ptr + s * stride_lbs + e * stride_lbe
             acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
@@ -212,14 +215,20 @@ def _expert_stride(t: torch.Tensor) -> int:
 
 
 def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
-             config):
+             token_shrunk=None, config):
     """Launch the grouped GEMM (and, with LoRA, its shrink) over every aligned block. Grids come from
-    host-known sizes only, so the launches can be captured in a CUDA graph."""
+    host-known sizes only, so the launches can be captured in a CUDA graph. `token_shrunk` [T, R] fp32: the
+    shrink already done per token (an A shared by all experts), so no per-pair shrink runs."""
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
     BM = config["BLOCK_M"]
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 stays fp32; 16-bit inputs ignore it
-    if lora_A is not None:
+    if token_shrunk is not None:
+        R = token_shrunk.shape[1]
+        BLOCK_R = max(16, triton.next_power_of_2(R))
+        lora = (token_shrunk, lora_B, token_shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B),
+                lora_B.stride(2), lora_B.stride(3))
+    elif lora_A is not None:
         R = lora_A.shape[2]
         BLOCK_R = max(16, triton.next_power_of_2(R))
         shrunk = torch.empty(align.num_blocks * BM, R, dtype=torch.float32, device=a.device)  # [blocks*BM, R]
@@ -244,7 +253,8 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         *lora_strides,
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=topk_weights is not None,
-        HAS_LORA=lora_A is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=precision, **config,
+        HAS_LORA=lora_B is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=precision,
+        SHRUNK_BY_TOKEN=token_shrunk is not None, **config,
     )
     return out
 
@@ -257,9 +267,12 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     num_slots = lora.gate_up_A.shape[0] if lora is not None else 0
     align = moe_align(topk_ids, E, config["BLOCK_M"], token_slots if lora is not None else None, num_slots)
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [P, I]
+    token_shrunk = None
+    if lora is not None and lora.gate_up_A.shape[1] == 1:  # gate_up A shared by all experts: shrink per token
+        token_shrunk = dense_lora_shrink(x, lora.gate_up_A[:, 0], lora_metadata(token_slots, num_slots))  # [T, R]
     moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k,
              lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
-             config=config)
+             token_shrunk=token_shrunk, config=config)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
              topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
