@@ -38,11 +38,12 @@ def main():
     w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
     A_gu = (0.02 * torch.randn(SLOTS, E, 2 * RANK, H, generator=g, device="cuda")).to(bf)
     B_gu = (0.02 * torch.randn(SLOTS, E, 2 * I, 2 * RANK, generator=g, device="cuda")).to(bf)
-    grid = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw, num_stages=ns)
-            for bm, bn, bk, gm, nw, ns in itertools.product((16, 32, 64, 128), (64, 128, 256), (64, 128), (1, 8),
-                                                            (4, 8), (3, 4))]
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
+        pairs_per_expert = T * K_TOP / E
+        block_ms = (16, 32) if pairs_per_expert <= 16 else (32, 64) if pairs_per_expert <= 128 else (64, 128)
+        grid = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw, num_stages=4 if bk == 64 else 3)
+                for bm, bn, bk, nw in itertools.product(block_ms, (64, 128, 256), (64, 128), (4, 8))]
         x = torch.randn(T, H, generator=g, device="cuda").to(bf)
         ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
         w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
