@@ -103,6 +103,7 @@ class _Parser:
     def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str]):
         self.adapter, self.sites, self.wfile = adapter, sites, wfile
         self.targeted = set(targeted)
+        self.weight_sites = {**sites.linear, **sites.norm, **sites.embedding}  # modules_to_save candidates
         self.config = adapter.config
         self.pairs: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}  # (module, family) -> A/B
         self.expert_parts: dict[str, dict[str, tuple]] = {}  # expert site -> part name -> (A, B)
@@ -125,7 +126,7 @@ class _Parser:
                 self.pairs.setdefault((m["module"], family), {})[m["ab"]] = (key, tensor)
                 return
         m = OVERRIDE_KEY.match(k)
-        if m and m["module"] in {**self.sites.linear, **self.sites.norm, **self.sites.embedding}:
+        if m and m["module"] in self.weight_sites:
             self._override(key, m["module"], m["param"], bool(m["copy"] and "base_layer" in m["copy"]), tensor)
             return
         raise self.error(key, "matches no module of this model; was the adapter made for another architecture?")
@@ -134,9 +135,10 @@ class _Parser:
         for (module, family), ab in self.pairs.items():
             for side in "AB":
                 if side not in ab:
-                    other_key = next(iter(ab.values()))[0]
-                    raise self.error(other_key.replace(f"_{'B' if side == 'A' else 'A'}", f"_{side}"),
-                                     f"missing: lora_{side} is needed beside {other_key}")
+                    present_key = next(iter(ab.values()))[0]
+                    other_side = "B" if side == "A" else "A"
+                    raise self.error(present_key.replace(f"_{other_side}", f"_{side}"),
+                                     f"missing: lora_{side} is needed beside {present_key}")
             (a_key, A), (b_key, B) = ab["A"], ab["B"]
             if self._is_known(module) and not self._is_targeted(module):
                 raise self.error(a_key, "LoRA weights for a module that adapter_config.json does not target "
@@ -184,8 +186,7 @@ class _Parser:
         self._report(module, r, scaling, A.numel() + B.numel(), "embedding")
 
     def _override(self, key, module, param, is_base_copy, tensor):
-        target = {**self.sites.linear, **self.sites.norm, **self.sites.embedding}[module]
-        base = getattr(target, param, None)
+        base = getattr(self.weight_sites[module], param, None)
         if base is None:
             raise self.error(key, f"the model's {module} has no {param}")
         if tuple(tensor.shape) != tuple(base.shape):
