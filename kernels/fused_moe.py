@@ -248,7 +248,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     moe_gemm_kernel[grid](
         a, w, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
-        shrunk, lb, align.pair_slot, align.block_slot_lo, align.block_slot_hi,
+        shrunk, lb, *(t if t is not None else a for t in (align.pair_slot, align.block_slot_lo, align.block_slot_hi)),
         N, K, align.num_pairs, R, top_k, align.num_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         *lora_strides,

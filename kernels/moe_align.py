@@ -5,8 +5,9 @@ nearly always holds one adapter, and the base GEMM pays no padding beyond one pa
 Shapes (P = T * k pairs; NB = min(E, P) + cdiv(P, BLOCK_M), an upper bound on the number of blocks):
   sorted_pairs [NB * BLOCK_M] int32  pair ids (t * k + j) in block order; padding holds P (a sentinel)
   block_expert [NB] int32            expert of each block (E beyond the padded count)
-  block_slot_lo/hi [NB] int32        smallest / largest adapter slot among a block's pairs (-1: none)
+  block_slot_lo/hi [NB] int32        smallest / largest adapter slot among a block's pairs (-1: none; -2 empty)
   pair_slot [P] int32                adapter slot of each pair (-1: none)
+  (the three slot maps only when adapter slots are given)
   num_padded [1] int32               pairs after padding, a multiple of BLOCK_M (only blocks below it run)
 """
 
@@ -21,9 +22,9 @@ import torch
 class MoeAlignment:
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
-    block_slot_lo: torch.Tensor
-    block_slot_hi: torch.Tensor
-    pair_slot: torch.Tensor
+    block_slot_lo: torch.Tensor | None  # None without adapter rows
+    block_slot_hi: torch.Tensor | None
+    pair_slot: torch.Tensor | None
     num_padded: torch.Tensor
     block_m: int
     num_pairs: int
@@ -36,32 +37,37 @@ class MoeAlignment:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               token_slots: torch.Tensor | None = None, num_slots: int = 0) -> MoeAlignment:
+    """Torch ops on the device (a sort, searchsorted and scatters; no host sync, fixed output sizes). Without
+    `token_slots` (no adapter rows) the slot maps are left out: only the LoRA kernels read them."""
     T, k = topk_ids.shape
     P, E, device = T * k, num_experts, topk_ids.device
-    expert = topk_ids.reshape(-1).long()  # [P]
+    expert = topk_ids.reshape(-1)  # [P]
     if token_slots is None:
-        pair_slot = torch.full((P,), -1, dtype=torch.long, device=device)  # [P]
+        order = torch.sort(expert, stable=True).indices  # [P]
     else:
         pair_slot = token_slots.long().repeat_interleave(k)  # [P]
-    order = torch.sort(expert * (num_slots + 1) + (pair_slot + 1), stable=True).indices  # [P]
-    counts = torch.zeros(E, dtype=torch.long, device=device).scatter_add_(0, expert, torch.ones_like(expert))  # [E]
+        order = torch.sort(expert * (num_slots + 1) + pair_slot, stable=True).indices  # [P] expert, then slot
+    sorted_expert = expert[order]  # [P]
+    bounds = torch.searchsorted(sorted_expert, torch.arange(E + 1, device=device, dtype=sorted_expert.dtype))
+    counts = bounds[1:] - bounds[:-1]  # [E]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     ends = torch.cumsum(padded, 0)  # [E]
-    sorted_expert = expert[order]  # [P]
-    rank = torch.arange(P, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]  # [P]
-    dest = (ends - padded)[sorted_expert] + rank  # [P] position of each sorted pair in block order
+    dest = (ends - padded - bounds[:-1])[sorted_expert] + torch.arange(P, device=device)  # [P] slot in block order
     NB = min(E, P) + -(-P // block_m)
     sorted_pairs = torch.full((NB * block_m,), P, dtype=torch.int32, device=device)
     sorted_pairs[dest] = order.to(torch.int32)
-    block_start = torch.arange(NB, device=device) * block_m  # [NB]
-    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)  # [NB], E = unused
-    block = dest // block_m  # [P]
-    sorted_slot = pair_slot[order]  # [P]
-    lo = torch.full((NB,), num_slots, dtype=torch.long, device=device).scatter_reduce_(0, block, sorted_slot, "amin")
-    hi = torch.full((NB,), -2, dtype=torch.long, device=device).scatter_reduce_(0, block, sorted_slot, "amax")
-    return MoeAlignment(sorted_pairs=sorted_pairs, block_expert=block_expert, block_slot_lo=lo.to(torch.int32),
-                        block_slot_hi=hi.to(torch.int32), pair_slot=pair_slot.to(torch.int32),
-                        num_padded=ends[-1:].to(torch.int32), block_m=block_m, num_pairs=P)
+    block_start = torch.arange(0, NB * block_m, block_m, device=device, dtype=ends.dtype)  # [NB]
+    align = MoeAlignment(sorted_pairs=sorted_pairs,
+                         block_expert=torch.searchsorted(ends, block_start, right=True).to(torch.int32),  # E: unused
+                         block_slot_lo=None, block_slot_hi=None, pair_slot=None,
+                         num_padded=ends[-1:].to(torch.int32), block_m=block_m, num_pairs=P)
+    if token_slots is not None:
+        block, sorted_slot = dest // block_m, pair_slot[order]  # [P], [P]
+        lo = torch.full((NB,), num_slots, dtype=torch.long, device=device).scatter_reduce_(0, block, sorted_slot, "amin")
+        hi = torch.full((NB,), -2, dtype=torch.long, device=device).scatter_reduce_(0, block, sorted_slot, "amax")
+        align.block_slot_lo, align.block_slot_hi = lo.to(torch.int32), hi.to(torch.int32)
+        align.pair_slot = pair_slot.to(torch.int32)
+    return align
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,

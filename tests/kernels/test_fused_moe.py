@@ -70,6 +70,10 @@ def test_alignment_matches_reference(seed):
     assert align.num_padded.item() == start
     assert 2 not in [e for e, _ in groups]
     assert (align.block_expert[start // bm:] == E).all()  # blocks past the padded count are marked unused
+    assert (align.block_slot_hi[start // bm:] == -2).all()
+    plain = moe_align(ids, E, bm)  # without adapter slots: the same expert groups (pairs in id order)
+    assert plain.num_padded.item() == start and torch.equal(plain.block_expert, align.block_expert)
+    assert plain.pair_slot is None
 
 
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
