@@ -35,6 +35,7 @@ def run(model_dir, adapters, backend, device, dtype, seqs, tags):
     return engine.logprobs(Batch(seqs, tags))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the gpu tests run these kernels compiled")
 @pytest.mark.parametrize("with_head_lora", [True, False])
 def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, seed, with_head_lora):
     """Every Triton kernel of the forward (fused MoE-LoRA, dense and embedding LoRA, fused logprobs when

@@ -13,6 +13,7 @@ from lora_eval.adapters.stack import ExpertLoRA
 from lora_eval.kernels.fused_moe import fused_moe, fused_moe_ref, moe_gemm
 from lora_eval.kernels.moe_align import moe_align, moe_align_ref
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (tests/conftest.py)
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 INTERPRETER_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
@@ -21,7 +22,7 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def routing(T, E, k, g, device="cpu", skip_expert=None):
+def routing(T, E, k, g, device=DEVICE, skip_expert=None):
     """Random top-k routing (distinct experts per token, weights not normalised so double use shows)."""
     logits = torch.randn(T, E, generator=g)
     if skip_expert is not None:
@@ -42,7 +43,7 @@ def expert_lora(S, E, H, I, R, g, dtype, shared_outer=True, empty_slot=None):
         t = getattr(lora, name)
         if empty_slot is not None:
             t[empty_slot] = 0
-        setattr(lora, name, t.to(dtype))
+        setattr(lora, name, t.to(DEVICE, dtype))
     return lora
 
 
@@ -52,8 +53,8 @@ def test_alignment_matches_reference(seed):
     ids, _ = routing(T, E, k, g, skip_expert=2)
     slots = torch.randint(-1, S, (T,), generator=g)
     slots[slots == 1] = 2  # slot 1 has no rows
-    align = moe_align(ids, E, bm, slots, S)
-    groups = moe_align_ref(ids, E, bm, slots)
+    align = moe_align(ids, E, bm, slots.to(DEVICE), S)
+    groups = moe_align_ref(ids.cpu(), E, bm, slots)
     pairs = align.sorted_pairs.tolist()
     start = 0
     for e, members in groups:
@@ -81,18 +82,18 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
     """Each launch of the grouped GEMM, into NaN-poisoned outputs: gate_up+act, then down * weight."""
     g = torch.Generator().manual_seed(seed)
     T, k, E, H, I = 19, 2, 5, 32, 24
-    x = torch.randn(T, H, generator=g).to(dtype)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=4)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
     align = moe_align(ids, E, SMALL["BLOCK_M"])
-    act = torch.full((T * k, I), float("nan"), dtype=dtype)
+    act = torch.full((T * k, I), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm(x, w_gu, act, align, gated=True, rows_are_tokens=True, top_k=k, config=SMALL)
     gu = torch.einsum("th,tjnh->tjn", x.float(), w_gu.float()[ids])  # [T, k, 2I]
     act_ref = (torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]).reshape(T * k, I)
     assert not act.isnan().any()
     assert rel_err(act, act_ref) < tol
-    y = torch.full((T * k, H), float("nan"), dtype=dtype)
+    y = torch.full((T * k, H), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm(act, w_d, y, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights.reshape(-1),
              config=SMALL)
     y_ref = torch.einsum("pi,phi->ph", act.float(), w_d.float()[ids.reshape(-1)]) * weights.reshape(-1, 1).float()
@@ -105,15 +106,16 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
 def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer):
     g = torch.Generator().manual_seed(seed)
     T, k, E, H, I, S, R = 23, 2, 6, 32, 16, 4, 8
-    x = torch.randn(T, H, generator=g).to(dtype)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=0)
-    weights = weights.to(dtype)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
-    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    weights = weights.to(DEVICE, dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
     lora = expert_lora(S, E, H, I, R, g, dtype, shared_outer=shared_outer, empty_slot=3)
     slots = torch.randint(-1, S, (T,), generator=g)
     slots[slots == 2] = 0  # slot 2 has no rows
     slots[:2] = 3  # the empty slot has rows: they must equal the base model
+    slots = slots.to(DEVICE)
     out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=SMALL)
     ref = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots)
     base = fused_moe(x, ids, weights, w_gu, w_d, config=SMALL)
