@@ -51,7 +51,7 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------------------
 # Triton: one grouped GEMM kernel over aligned blocks (kernels/moe_align.py), used twice per layer:
 #   gate_up: x[pair // k] @ W_gu[e]^T -> gate, up (two accumulators) -> silu(gate) * up -> act [P, I]
-#   down:    act[pair] @ W_d[e]^T -> * routing weight -> y [P, H];   out[t] = sum_j y[t * k + j] (fp32)
+#   down:    act[pair] @ W_d[e]^T -> * routing weight -> y [P, H];   out[t] = sum_j y[t * k + j] (fp32, moe_sum)
 # LoRA: a small shrink kernel computes x @ A[s, e]^T once per aligned block (fp32 [blocks * BLOCK_M, R]); the
 # grouped GEMM then adds shrink @ B[s, e]^T to its accumulators before the epilogue, for the rows of adapter
 # slot s only (a block nearly always holds one adapter). A block whose pairs have no adapter costs nothing.
@@ -114,7 +114,7 @@ def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOC
 
 @triton.jit
 def moe_lora_shrink_kernel(
-    a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, pair_slot_ptr, block_lo_ptr,
+    a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, token_slots_ptr, block_lo_ptr,
     block_hi_ptr, K, P, R, top_k,
     stride_am, stride_ak, stride_las, stride_lae, stride_lar, stride_lak, stride_sm,
     ROWS_ARE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -132,7 +132,7 @@ def moe_lora_shrink_kernel(
     pair = tl.load(sorted_pairs_ptr + offs_m)
     valid = pair < P
     rows = ((pair // top_k) if ROWS_ARE_TOKENS else pair).to(tl.int64)
-    slot = tl.load(pair_slot_ptr + pair, mask=valid, other=-1)
+    slot = tl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(lo, hi + 1):  # each row picks up its own adapter's shrink; usually one pass
         acc += _shrink(a_ptr, rows, valid & (slot == s), la_ptr + s * stride_las + e * stride_lae, K, R,
@@ -144,7 +144,7 @@ def moe_lora_shrink_kernel(
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
-    shrunk_ptr, lb_ptr, pair_slot_ptr, block_lo_ptr, block_hi_ptr,
+    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr,
     N, K, P, R, top_k, num_blocks,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
@@ -177,20 +177,12 @@ def moe_gemm_kernel(
     w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
-        if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+    # LoRA first: its B tiles load while the main loop's pipeline fills, and rows without an adapter get an
+    # exact zero start (masked shrink rows are 0)
     if HAS_LORA:
         lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
         hi = tl.load(block_hi_ptr + pid_m)
-        slot = tl.load(pair_slot_ptr + pair, mask=valid, other=-1)
+        slot = tl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)
         offs_r = tl.arange(0, BLOCK_R)
         shrunk_rows = rows if SHRUNK_BY_TOKEN else offs_m.to(tl.int64)
         for s in range(lo, hi + 1):  # usually one adapter per block, none for base-only blocks
@@ -201,12 +193,46 @@ def moe_gemm_kernel(
             if GATED:
                 acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
                                  BLOCK_R, DOT_PRECISION)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+SUM_BLOCK_H = 1024  # columns per program of the sum over k
+
+
+@triton.jit
+def moe_sum_kernel(y_ptr, out_ptr, H, top_k, stride_yt, stride_yj, stride_ot, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j y[t, j] in fp32, stored in out's dtype: one read of y, one write of out."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, top_k):
+        acc += tl.load(y_ptr + t * stride_yt + j * stride_yj + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum(y: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H] in y's dtype, summed over k in fp32 (the j order fixed: deterministic)."""
+    T, k, H = y.shape
+    out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    moe_sum_kernel[(T, triton.cdiv(H, SUM_BLOCK_H))](y, out, H, k, y.stride(0), y.stride(1), out.stride(0),
+                                                     BLOCK_H=SUM_BLOCK_H, num_warps=4)
+    return out
 
 
 def _expert_stride(t: torch.Tensor) -> int:
@@ -233,7 +259,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         BLOCK_R = max(16, triton.next_power_of_2(R))
         shrunk = torch.empty(align.num_blocks * BM, R, dtype=torch.float32, device=a.device)  # [blocks*BM, R]
         moe_lora_shrink_kernel[(align.num_blocks,)](
-            a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.pair_slot,
+            a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
             align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
             a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
             shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_M=BM, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=BLOCK_R,
@@ -248,7 +274,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     moe_gemm_kernel[grid](
         a, w, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
-        shrunk, lb, *(t if t is not None else a for t in (align.pair_slot, align.block_slot_lo, align.block_slot_hi)),
+        shrunk, lb, *(t if t is not None else a for t in (align.token_slots, align.block_slot_lo, align.block_slot_hi)),
         N, K, align.num_pairs, R, top_k, align.num_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         *lora_strides,
@@ -259,8 +285,10 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     return out
 
 
-def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, config=None):
-    """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype."""
+def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, config=None,
+              lora_meta=None):
+    """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype. `lora_meta`:
+    the batch's rows grouped by slot (dense_lora.lora_metadata of token_slots), computed here when not given."""
     T, k = topk_ids.shape
     E, H, I = w_down.shape
     config = config or pick_config(T, k, E, x.dtype)
@@ -269,7 +297,8 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [P, I]
     token_shrunk = None
     if lora is not None and lora.gate_up_A.shape[1] == 1:  # gate_up A shared by all experts: shrink per token
-        token_shrunk = dense_lora_shrink(x, lora.gate_up_A[:, 0], lora_metadata(token_slots, num_slots))  # [T, R]
+        meta = lora_meta if lora_meta is not None else lora_metadata(token_slots, num_slots)
+        token_shrunk = dense_lora_shrink(x, lora.gate_up_A[:, 0], meta)  # [T, R]
     moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k,
              lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
              token_shrunk=token_shrunk, config=config)
@@ -277,4 +306,4 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
              topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
              lora_B=lora.down_B if lora is not None else None, config=config)
-    return y.view(T, k, H).sum(dim=1, dtype=torch.float32).to(x.dtype)  # [T, H]
+    return moe_sum(y.view(T, k, H))  # [T, H]

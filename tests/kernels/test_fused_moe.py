@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_eval.adapters.stack import ExpertLoRA
-from lora_eval.kernels.fused_moe import fused_moe, fused_moe_ref, moe_gemm
+from lora_eval.kernels.fused_moe import SUM_BLOCK_H, fused_moe, fused_moe_ref, moe_gemm, moe_sum
 from lora_eval.kernels.moe_align import moe_align, moe_align_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (tests/conftest.py)
@@ -48,6 +48,8 @@ def expert_lora(S, E, H, I, R, g, dtype, shared_outer=True, empty_slot=None):
 
 
 def test_alignment_matches_reference(seed):
+    """Expert groups in order, each padded to BLOCK_M with the sentinel, pairs ordered by slot inside a group
+    (the order inside one (expert, slot) bin is the atomics' and may vary); block maps right."""
     g = torch.Generator().manual_seed(seed)
     T, k, E, S, bm = 37, 3, 7, 4, 8
     ids, _ = routing(T, E, k, g, skip_expert=2)
@@ -59,9 +61,11 @@ def test_alignment_matches_reference(seed):
     start = 0
     for e, members in groups:
         n_blocks = -(-len(members) // bm)
-        assert pairs[start:start + len(members)] == members
+        got = pairs[start:start + len(members)]
+        assert sorted(got) == sorted(members)
+        block_slots = [slots[p // k].item() for p in got]
+        assert block_slots == [slots[p // k].item() for p in members]  # slot order within the group
         assert all(p == T * k for p in pairs[start + len(members):start + n_blocks * bm])  # padding sentinel
-        block_slots = [align.pair_slot[p].item() for p in members]
         for b in range(n_blocks):
             chunk = block_slots[b * bm:(b + 1) * bm]
             assert align.block_expert[start // bm + b].item() == e
@@ -72,9 +76,45 @@ def test_alignment_matches_reference(seed):
     assert 2 not in [e for e, _ in groups]
     assert (align.block_expert[start // bm:] == E).all()  # blocks past the padded count are marked unused
     assert (align.block_slot_hi[start // bm:] == -2).all()
-    plain = moe_align(ids, E, bm)  # without adapter slots: the same expert groups (pairs in id order)
+    plain = moe_align(ids, E, bm)  # without adapter slots: the same expert groups
     assert plain.num_padded.item() == start and torch.equal(plain.block_expert, align.block_expert)
-    assert plain.pair_slot is None
+    assert plain.block_slot_lo is None and plain.token_slots is None
+    for e, members in groups:
+        first = plain.block_expert.tolist().index(e) * bm
+        assert sorted(plain.sorted_pairs[first:first + len(members)].tolist()) == sorted(members)
+
+
+def test_alignment_of_many_programs(seed):
+    """Pairs and blocks spread over several programs of both alignment kernels."""
+    g = torch.Generator().manual_seed(seed)
+    T, k, E, S, bm = 700, 2, 5, 3, 16  # 1400 pairs: two programs of ALIGN_BLOCK pairs; 93 blocks: two of maps
+    ids, _ = routing(T, E, k, g)
+    slots = torch.randint(-1, S, (T,), generator=g)
+    align = moe_align(ids, E, bm, slots.to(DEVICE), S)
+    pairs = align.sorted_pairs[:align.num_padded.item()].cpu()
+    real = pairs[pairs < T * k]
+    assert sorted(real.tolist()) == list(range(T * k))
+    expert_of_row = align.block_expert.cpu().repeat_interleave(bm)[:len(pairs)]
+    assert torch.equal(ids.reshape(-1).cpu()[real.long()], expert_of_row[pairs < T * k].long())
+    lo, hi = align.block_slot_lo.cpu(), align.block_slot_hi.cpu()
+    for b in range(len(pairs) // bm):
+        chunk = pairs[b * bm:(b + 1) * bm]
+        chunk_slots = slots[chunk[chunk < T * k].long() // k]
+        assert lo[b] == chunk_slots.min() and hi[b] == chunk_slots.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_sum_over_k(seed, dtype):
+    """out[t] = sum over the k routed copies in fp32, every column written (H past one block, ragged)."""
+    g = torch.Generator().manual_seed(seed)
+    T, k, H = 3, 5, SUM_BLOCK_H + 37
+    y = torch.randn(T, k, H, generator=g).to(DEVICE, dtype)
+    out = moe_sum(y)
+    ref = y.double().sum(1)
+    assert out.dtype == dtype and out.shape == (T, H)
+    assert not out.isnan().any()
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
