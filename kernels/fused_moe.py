@@ -82,7 +82,14 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtyp
     return config
 
 
-SHRINK_BLOCK_K = 64  # the LoRA shrink kernel's step over the input features
+SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: 3 stages of (BLOCK_M + BLOCK_R) x BLOCK_K
+
+
+def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype) -> int:
+    """The LoRA shrink kernel's step over the input features: as long as fits SHRINK_SMEM (at most 256), so
+    that the few latency-bound K iterations per slot stay few."""
+    size = 4 if dtype == torch.float32 else 2
+    return next((bk for bk in (256, 128, 64, 32) if 3 * (block_m + block_r) * bk * size <= SHRINK_SMEM), 16)
 
 
 @triton.jit
@@ -262,7 +269,8 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
             a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
             align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
             a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
-            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_M=BM, BLOCK_K=SHRINK_BLOCK_K, BLOCK_R=BLOCK_R,
+            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_M=BM, BLOCK_K=shrink_block_k(BM, BLOCK_R, a.dtype),
+            BLOCK_R=BLOCK_R,
             DOT_PRECISION=precision, num_warps=4)
         lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
                 lora_B.stride(3))

@@ -17,6 +17,7 @@ from .adapters import AdapterStack, load_adapter
 from .errors import InputError
 from .forward import BACKENDS, Forward
 from .models import load_model
+from .runners.graphs import BucketPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGITS_BUDGET = 1 << 24  # float32 logits held at once (64 MiB)
@@ -36,7 +37,8 @@ class Engine:
     """`backend`: "torch" (plain-torch ops, batch-invariant: the CPU path and the oracle) or "triton" (the
     Triton kernels; the default on CUDA)."""
 
-    def __init__(self, model, adapters=(), backend: str | None = None, logits_budget: int = LOGITS_BUDGET):
+    def __init__(self, model, adapters=(), backend: str | None = None, logits_budget: int = LOGITS_BUDGET,
+                 cuda_graphs: bool = True, graph_plan: BucketPlan | None = None):
         self.model = model
         self.adapters = list(adapters)
         self.stack = AdapterStack(self.adapters, model) if self.adapters else None
@@ -45,11 +47,20 @@ class Engine:
         if self.backend not in BACKENDS:
             raise InputError("--backend", f"'{self.backend}' is not one of {', '.join(BACKENDS)}")
         self.logits_budget = logits_budget
+        self.graphs = None  # CUDA graphs: the Triton path on a GPU only (the torch path is the oracle)
+        if cuda_graphs and device.type == "cuda" and self.backend == "triton":
+            from .runners.graphs import GraphRunner
+
+            self.graphs = GraphRunner(self._build, device, graph_plan)
 
     @classmethod
     def load(cls, model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *,
-             dtype: str | torch.dtype = "float32", device: str = "cpu", backend: str | None = None) -> "Engine":
-        """Engine for a local checkpoint and named PEFT adapter folders."""
+             dtype: str | torch.dtype = "float32", device: str = "cpu", backend: str | None = None,
+             gate_up_layout: str | None = None, cuda_graphs: bool = True,
+             graph_plan: BucketPlan | None = None) -> "Engine":
+        """Engine for a local checkpoint and named PEFT adapter folders. `gate_up_layout` ("interleaved" or
+        "concatenated"): the row order of fused 3D gate_up LoRA, where the files do not fix it (adapters/load.py).
+        `cuda_graphs`, `graph_plan`: replay captured forwards on a GPU (runners/graphs.py)."""
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
@@ -57,8 +68,8 @@ class Engine:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InputError("--device", "CUDA was asked for but torch sees no GPU")
         model = load_model(model_dir, dtype=dtype, device=device)
-        adapters = [load_adapter(path, name, model) for name, path in (adapters or {}).items()]
-        return cls(model, adapters, backend=backend)
+        adapters = [load_adapter(path, name, model, gate_up_layout) for name, path in (adapters or {}).items()]
+        return cls(model, adapters, backend=backend, cuda_graphs=cuda_graphs, graph_plan=graph_plan)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -78,20 +89,12 @@ class Engine:
                 bad = next(t for t in ids if not 0 <= t < vocab)
                 raise InputError(f"row {i}", f"token id {bad} is outside the vocabulary [0, {vocab})")
             lengths.append(len(ids))
-        B, L = len(lengths), max(lengths)
-        ids = torch.zeros(B, L, dtype=torch.long)  # [B, L], right-padded with 0
-        for i, row in enumerate(batch.input_ids):
-            ids[i, :len(row)] = torch.tensor(row)
-        token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(L)  # [T]
-        with_lora = self.stack is not None and max(slots) >= 0
-        fwd = Forward(self.backend, lengths, self.stack if with_lora else None,
-                      token_slots.to(device) if with_lora else None)
-        ids = ids.to(device)
-        hidden = self.model(ids, fwd)  # [T, H]
+        hidden, L, with_lora = self._forward(batch.input_ids, slots)  # [B'*L, H]
+        fwd = _LazyForward(self, lengths, slots, L, with_lora)
         # positions whose next token exists, and that token
         rows = torch.cat([torch.arange(n - 1) + i * L for i, n in enumerate(lengths)])  # [N]
         rows_dev = rows.to(device)
-        targets = ids.reshape(-1)[rows_dev + 1]  # [N]
+        targets = torch.tensor([t for row in batch.input_ids for t in row[1:]], device=device)  # [N]
         head = self.model.lm_head
         head_slots = set()  # adapters that change lm_head (LoRA or their own copy)
         for table in (self.stack.dense, self.stack.overrides) if with_lora else ():
@@ -116,6 +119,66 @@ class Engine:
             out[pick] = logp.gather(1, targets[pick, None]).squeeze(1)
         return list(out.cpu().split([n - 1 for n in lengths]))
 
+    @torch.inference_mode()
+    def next_token_logprobs(self, batch: Batch, candidates: list[int]) -> torch.Tensor:
+        """float32 [rows, len(candidates)] on the CPU: log p(candidate | whole row) at each row's last position.
+        The same forward as `logprobs`, but lm_head and the log-softmax over the vocabulary run for the last
+        positions only (multiple-choice scoring)."""
+        device = self.model.inv_freq.device
+        vocab = self.model.args.vocab_size
+        if not candidates or not all(0 <= c < vocab for c in candidates):
+            raise InputError("candidates", f"need token ids in [0, {vocab}), found {list(candidates)}")
+        slots = [self._slot(name, i) for i, name in enumerate(batch.adapters)]
+        lengths = [len(ids) for ids in batch.input_ids]
+        for i, ids in enumerate(batch.input_ids):
+            if not ids:
+                raise InputError(f"row {i}", "an empty sequence has no last position")
+            if min(ids) < 0 or max(ids) >= vocab:
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise InputError(f"row {i}", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if not lengths:
+            return torch.empty(0, len(candidates))
+        B = len(lengths)
+        hidden, L, with_lora = self._forward(batch.input_ids, slots)  # [B'*L, H]
+        fwd = _LazyForward(self, lengths, slots, L, with_lora)
+        last = torch.tensor([i * L + n - 1 for i, n in enumerate(lengths)], device=device)  # [B] token rows
+        wanted = torch.tensor(candidates, dtype=torch.long, device=device)  # [C]
+        out = torch.empty(B, len(candidates), dtype=torch.float32, device=device)  # [B, C]
+        chunk = max(1, self.logits_budget // vocab)
+        for start in range(0, B, chunk):
+            part = last[start:start + chunk]  # [b]
+            logits = self.model.logits(hidden[part], fwd.subset(part))  # [b, V]
+            out[start:start + chunk] = torch.log_softmax(logits.float(), dim=-1)[:, wanted]  # [b, C]
+        return out.cpu()
+
+    def _build(self, ids: torch.Tensor, token_slots: torch.Tensor, lora: bool, lengths: list[int] | None = None):
+        """The model's forward over device tensors: ids [B, L], token_slots [B*L] -> hidden [B*L, H]. What the
+        graph runner captures (every row at full length there: padding comes after the real positions)."""
+        lengths = lengths or [ids.shape[1]] * ids.shape[0]
+        fwd = Forward(self.backend, lengths, self.stack if lora else None, token_slots if lora else None)
+        return self.model(ids, fwd)
+
+    def _forward(self, input_ids: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, int, bool]:
+        """Rows right-padded with 0 to one length -> (hidden [B' * L', H], L', with_lora): replayed from a
+        captured graph when one fits (then B' >= B and L' >= L, the padded bucket), else eagerly."""
+        lengths = [len(row) for row in input_ids]
+        B, L = len(lengths), max(lengths)
+        ids = torch.zeros(B, L, dtype=torch.long)  # [B, L]
+        for i, row in enumerate(input_ids):
+            ids[i, :len(row)] = torch.tensor(row)
+        with_lora = self.stack is not None and max(slots) >= 0
+        if self.graphs is not None:
+            replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B)
+            if replayed is not None:
+                return (*replayed, with_lora)
+        device = self.model.inv_freq.device
+        token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(L).to(device)  # [B*L]
+        return self._build(ids.to(device), token_slots, with_lora, lengths), L, with_lora
+
+    def graph_stats(self) -> dict | None:
+        """Captured graphs, their memory and how many batches replayed or ran eagerly; None without graphs."""
+        return self.graphs.stats() if self.graphs is not None else None
+
     def _slot(self, name: str | None, row: int) -> int:
         if name is None:
             return -1
@@ -123,3 +186,23 @@ class Engine:
             known = ", ".join(self.adapter_names) or "none"
             raise InputError(f"row {row}", f"unknown adapter '{name}' (known adapters: {known})")
         return self.adapter_names.index(name)
+
+
+class _LazyForward:
+    """The `Forward` of a batch laid out at length L, built only if lm_head needs one (most batches on the GPU
+    never do): `subset(rows)` as Forward.subset."""
+
+    def __init__(self, engine: Engine, lengths: list[int], slots: list[int], L: int, with_lora: bool):
+        self.engine, self.lengths, self.slots, self.L, self.with_lora = engine, lengths, slots, L, with_lora
+        self._fwd = None
+
+    def subset(self, rows: torch.Tensor) -> Forward:
+        if self._fwd is None:
+            e = self.engine
+            n_rows = max(len(self.slots), (int(rows.max()) // self.L + 1) if rows.numel() else 0)
+            slots = self.slots + [-1] * (n_rows - len(self.slots))  # padding rows of a graph bucket
+            token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(self.L)  # [B'*L]
+            device = e.model.inv_freq.device
+            self._fwd = Forward(e.backend, self.lengths, e.stack if self.with_lora else None,
+                                token_slots.to(device) if self.with_lora else None)
+        return self._fwd.subset(rows)

@@ -1,2 +1,2 @@
-"""Execution of the engine's forward (imported as `lora_eval.runners`): the eager path lives in the engine
-today; the CUDA-graph runner (issue #5) goes here."""
+"""Execution of the engine's forward (imported as `lora_eval.runners`): the CUDA-graph runner (graphs.py).
+The eager path is the engine's own forward call."""

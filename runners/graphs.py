@@ -1,0 +1,129 @@
+"""CUDA-graph runner: the engine's forward captured once per shape bucket and variant, then replayed.
+
+A batch of B rows padded to length L runs in the smallest bucket (rows, length) that holds it: rows rounded up
+to a power of two, length to one of four steps per octave (at most 25% padding past 64 tokens). Each bucket has
+static buffers — input ids [rows, length], adapter slot per token [rows * length] — and up to two captured
+graphs: the forward with the LoRA kernels recorded, and the plain forward (a batch with no adapter row
+replays that one and pays nothing for LoRA). Padding rows hold token 0 and no adapter; right padding never
+changes a real position (causal attention), and a replay equals the eager forward of the same padded batch.
+
+Graphs are captured lazily, the first time a bucket is needed, into one shared memory pool (replays run one at
+a time, and each output is consumed before the next replay). Capture stops, and batches run eagerly, past
+`max_buckets` captured graphs, past `max_memory` bytes of pool, or beyond the largest bucket
+(`max_tokens`). `stats()` reports what was captured, the pool's size and how many batches replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_LENGTH = 16
+
+
+def round_length(n: int) -> int:
+    """The bucket length for n tokens: a multiple of a quarter of the octave below n (>= MIN_LENGTH)."""
+    if n <= MIN_LENGTH:
+        return MIN_LENGTH
+    step = max(1 << ((n - 1).bit_length() - 3), 1)  # 2^(floor(log2(n-1)) - 2): four steps per octave
+    return -(-n // step) * step
+
+
+def round_rows(n: int) -> int:
+    """The bucket row count for n rows: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def pad_to_bucket(ids: torch.Tensor, slots: list[int], rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, L] -> ids [rows, length] (token 0 after each row and in the extra rows) and the adapter slot of
+    every token [rows * length] (-1 in the extra rows)."""
+    B, L = ids.shape
+    padded = torch.zeros(rows, length, dtype=torch.long)  # [rows, length]
+    padded[:B, :L] = ids
+    row_slots = torch.full((rows,), -1, dtype=torch.long)  # [rows]
+    row_slots[:B] = torch.tensor(slots, dtype=torch.long)
+    return padded, row_slots.repeat_interleave(length)  # [rows, length], [rows * length]
+
+
+@dataclass
+class BucketPlan:
+    """Which bucket a batch runs in, and whether a new graph may still be captured (no CUDA needed)."""
+    max_tokens: int = 16384  # the largest bucket, rows * length
+    max_buckets: int = 32  # captured graphs (each variant counts)
+    max_memory: int | None = None  # bytes of graph pool; None: no limit
+    captured: dict = field(default_factory=dict)  # (rows, length, lora) -> pool bytes after its capture
+
+    def bucket(self, rows: int, length: int) -> tuple[int, int] | None:
+        """(rows, length) of the bucket for a batch, or None when it is beyond the largest (run eagerly)."""
+        shape = round_rows(rows), round_length(length)
+        return shape if shape[0] * shape[1] <= self.max_tokens else None
+
+    def may_capture(self, pool_bytes: int) -> bool:
+        """Another capture is allowed: under the graph count, and the pool so far under the memory limit."""
+        if len(self.captured) >= self.max_buckets:
+            return False
+        return self.max_memory is None or pool_bytes < self.max_memory
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [rows, length] static input
+    token_slots: torch.Tensor  # [rows * length] static input
+    hidden: torch.Tensor  # [rows * length, H] static output
+
+
+class GraphRunner:
+    """`replay(ids, slots)` -> (hidden states [rows * length, H] of the padded batch, the length it was padded
+    to), or None when the batch must run eagerly; `ids` [B, L] on the CPU, `slots` one adapter slot per row
+    (-1: none). `build(ids, token_slots, lora)` returns the hidden states of a forward over device tensors; it
+    is what gets captured. The hidden states live in a static buffer: use them before the next replay."""
+
+    def __init__(self, build, device: torch.device, plan: BucketPlan | None = None):
+        self.build = build
+        self.device = device
+        self.plan = plan or BucketPlan()
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.pool_bytes = 0
+        self.replays = 0
+        self.eager = 0
+
+    def replay(self, ids: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, int] | None:
+        B, L = ids.shape
+        lora = max(slots) >= 0
+        shape = self.plan.bucket(B, L)
+        key = (*shape, lora) if shape else None
+        if key is not None and key not in self.graphs and self.plan.may_capture(self.pool_bytes):
+            self.graphs[key] = self._capture(*key)
+        if key is None or key not in self.graphs:
+            self.eager += 1
+            return None
+        g = self.graphs[key]
+        padded, token_slots = pad_to_bucket(ids, slots, *shape)
+        g.ids.copy_(padded.pin_memory(), non_blocking=True)  # pinned: the copies do not wait for the host
+        g.token_slots.copy_(token_slots.pin_memory(), non_blocking=True)
+        g.graph.replay()
+        self.replays += 1
+        return g.hidden, shape[1]
+
+    def _capture(self, rows: int, length: int, lora: bool) -> _Graph:
+        ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)  # [rows, length]
+        token_slots = torch.full((rows * length,), 0 if lora else -1, dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles, library workspaces
+            self.build(ids, token_slots, lora)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.build(ids, token_slots, lora)  # [rows * length, H]
+        self.pool_bytes += max(torch.cuda.memory_reserved(self.device) - before, 0)
+        self.plan.captured[(rows, length, lora)] = self.pool_bytes
+        return _Graph(graph, ids, token_slots, hidden)
+
+    def stats(self) -> dict:
+        return dict(graphs=len(self.graphs), buckets=sorted({k[:2] for k in self.graphs}),
+                    graph_memory_bytes=self.pool_bytes, replays=self.replays, eager_batches=self.eager)

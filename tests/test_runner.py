@@ -1,0 +1,73 @@
+"""The CUDA-graph runner's logic without CUDA: bucket choice, padding into a bucket, and the fallbacks to the
+eager forward (beyond the largest bucket, past the graph count or memory limit). The captures and replays
+themselves are GPU tests (tests/test_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from lora_eval import Batch, Engine
+from lora_eval.models import load_model
+from lora_eval.runners.graphs import MIN_LENGTH, BucketPlan, pad_to_bucket, round_length, round_rows
+from tests.builders import random_sequences
+
+
+def test_length_buckets_hold_the_batch_with_at_most_a_quarter_of_padding():
+    lengths = [round_length(n) for n in range(1, 5000)]
+    for n, b in zip(range(1, 5000), lengths):
+        assert b >= n and b >= MIN_LENGTH
+        if n > 64:
+            assert b <= 1.25 * n
+    assert lengths == sorted(lengths)  # monotone: a longer batch never gets a shorter bucket
+    assert len(set(lengths)) < 60  # few distinct buckets over 1..5000 tokens
+    assert [round_length(n) for n in (16, 17, 100, 128, 129, 1000, 1024, 1025)] == \
+        [16, 20, 112, 128, 160, 1024, 1024, 1280]
+
+
+def test_row_buckets_are_powers_of_two():
+    assert [round_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 16, 128]
+
+
+def test_plan_picks_the_smallest_bucket_and_falls_back_beyond_the_largest():
+    plan = BucketPlan(max_tokens=4096)
+    assert plan.bucket(3, 100) == (4, 112)
+    assert plan.bucket(1, 4096) == (1, 4096)
+    assert plan.bucket(2, 4096) is None  # 8192 tokens: eager
+    assert plan.bucket(5, 900) is None  # 8 x 1024 after rounding
+
+
+def test_plan_stops_capturing_at_the_graph_count_and_memory_limits():
+    plan = BucketPlan(max_buckets=2, max_memory=1000)
+    assert plan.may_capture(0)
+    plan.captured[(1, 16, False)] = 400
+    assert plan.may_capture(400)
+    assert not plan.may_capture(1000)  # the pool reached the memory limit
+    plan.captured[(1, 16, True)] = 500
+    assert not plan.may_capture(500)  # two graphs already
+    assert BucketPlan(max_memory=None).may_capture(10**15)
+
+
+def test_padding_into_a_bucket(seed):
+    rng = random.Random(seed)
+    B, L, rows, length = 3, 7, 4, 16
+    ids = torch.randint(1, 50, (B, L), generator=torch.Generator().manual_seed(seed))
+    slots = [rng.randrange(-1, 3) for _ in range(B)]
+    padded, token_slots = pad_to_bucket(ids, slots, rows, length)
+    assert padded.shape == (rows, length) and token_slots.shape == (rows * length,)
+    assert torch.equal(padded[:B, :L], ids)
+    assert (padded[B:] == 0).all() and (padded[:, L:] == 0).all()
+    assert token_slots.view(rows, length)[:B].tolist() == [[s] * length for s in slots]
+    assert (token_slots.view(rows, length)[B:] == -1).all()
+
+
+def test_no_graphs_without_cuda(moe_model, seed):
+    """On the CPU the engine runs eagerly (graphs are a GPU feature); asking for them changes nothing."""
+    model = load_model(moe_model)
+    with_graphs = Engine(model, cuda_graphs=True)
+    assert with_graphs.graphs is None and with_graphs.graph_stats() is None
+    seqs = random_sequences(3, 96, seed=seed)
+    a = with_graphs.logprobs(Batch(seqs, [None] * 3))
+    b = Engine(model, cuda_graphs=False).logprobs(Batch(seqs, [None] * 3))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
