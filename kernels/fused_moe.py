@@ -1,10 +1,12 @@
 """Fused MoE with per-(adapter, expert) LoRA: the math every MoE path must reproduce.
 
 For token t routed to expert e with weight w, under adapter slot s (-1 = none):
-  gate_up = W_gu[e] x + B_gu[s, e] (A_gu[s, e] x)      (no routing weight, before the activation)
-  a       = silu(gate) * up
-  y[t]   += w * (W_d[e] a + B_d[s, e] (A_d[s, e] a))
-Shapes: x [T, H], topk_ids/topk_weights [T, k], w_gate_up [E, 2I, H], w_down [E, H, I];
+  gate_up = W_gu[e] x + b_gu[e] + B_gu[s, e] (A_gu[s, e] x)      (no routing weight, before the activation)
+  a       = silu(gate) * up, or with activation "clamped_swiglu" (GPT-OSS), g = min(gate, limit),
+            u = clamp(up, -limit, limit): a = (u + 1) * g * sigmoid(alpha * g)
+  y[t]   += w * (W_d[e] a + b_d[e] + B_d[s, e] (A_d[s, e] a))
+Shapes: x [T, H], topk_ids/topk_weights [T, k], w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I],
+optional biases b_gu [E, 2I] and b_d [E, H];
 LoRA (ExpertLoRA): gate_up_A [S, Ea, R, H], gate_up_B [S, Eb, 2I, R], down_A [S, Ea, R, I], down_B [S, Eb, H, R]
 where an expert dim of 1 is shared by all experts (broadcast), scaling folded into B.
 """
@@ -17,7 +19,20 @@ import torch.nn.functional as F
 from .linear import linear_ref
 
 
-def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None) -> torch.Tensor:
+ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
+def activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
+                   limit: float = 7.0) -> torch.Tensor:
+    """The expert activation of gate and up [n, I] -> [n, I] (see the module notes)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, *,
+                  gate_up_bias=None, down_bias=None, activation="silu", alpha=1.702, limit=7.0) -> torch.Tensor:
     """Plain-torch reference: loop over experts that got tokens, then over adapter slots among those tokens."""
     T, k = topk_ids.shape
     I = w_down.shape[-1]
@@ -27,14 +42,14 @@ def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token
         pairs = (flat_ids == e).nonzero().squeeze(1)  # [n] indices into T*k
         tokens = pairs // k  # [n]
         xe = x[tokens]  # [n, H]
-        gate_up = linear_ref(xe, w_gate_up[e])  # [n, 2I]
+        gate_up = linear_ref(xe, w_gate_up[e], None if gate_up_bias is None else gate_up_bias[e])  # [n, 2I]
         groups = _slot_groups(lora, token_slots[tokens]) if lora is not None else []
         for slot, rows in groups:
             A, B = lora.gate_up_A[slot], lora.gate_up_B[slot]
             delta = linear_ref(linear_ref(xe[rows], A[e % A.shape[0]]), B[e % B.shape[0]])  # [m, 2I]
             gate_up.index_add_(0, rows, delta)
-        act = F.silu(gate_up[:, :I]) * gate_up[:, I:]  # [n, I]
-        ye = linear_ref(act, w_down[e])  # [n, H]
+        act = activation_ref(gate_up[:, :I], gate_up[:, I:], activation, alpha, limit)  # [n, I]
+        ye = linear_ref(act, w_down[e], None if down_bias is None else down_bias[e])  # [n, H]
         for slot, rows in groups:
             A, B = lora.down_A[slot], lora.down_B[slot]
             ye.index_add_(0, rows, linear_ref(linear_ref(act[rows], A[e % A.shape[0]]), B[e % B.shape[0]]))  # [m, H]
@@ -151,16 +166,18 @@ def moe_lora_shrink_kernel(
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
-    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr,
-    N, K, P, R, top_k, num_blocks,
+    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr,
+    N, K, P, R, top_k, num_blocks, alpha, limit,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
+    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
-    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up.
+    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up (CLAMPED_SWIGLU: GPT-OSS's form).
+    HAS_BIAS: bias [E, N] (GATED: [E, 2N]) added before the activation / the routing weight.
     SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -210,8 +227,16 @@ def moe_gemm_kernel(
             acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + e * stride_be + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if CLAMPED_SWIGLU:
+            g = tl.minimum(acc, limit)
+            acc = (tl.minimum(tl.maximum(acc_up, -limit), limit) + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -248,7 +273,7 @@ def _expert_stride(t: torch.Tensor) -> int:
 
 
 def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
-             token_shrunk=None, config):
+             token_shrunk=None, bias=None, activation="silu", alpha=1.702, limit=7.0, config):
     """Launch the grouped GEMM (and, with LoRA, its shrink) over every aligned block. Grids come from
     host-known sizes only, so the launches can be captured in a CUDA graph. `token_shrunk` [T, R] fp32: the
     shrink already done per token (an A shared by all experts), so no per-pair shrink runs."""
@@ -283,18 +308,20 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         a, w, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
         shrunk, lb, *(t if t is not None else a for t in (align.token_slots, align.block_slot_lo, align.block_slot_hi)),
-        N, K, align.num_pairs, R, top_k, align.num_blocks,
+        bias if bias is not None else a,
+        N, K, align.num_pairs, R, top_k, align.num_blocks, alpha, limit,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        *lora_strides,
+        *lora_strides, bias.stride(0) if bias is not None else 0,
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=topk_weights is not None,
-        HAS_LORA=lora_B is not None, BLOCK_R=BLOCK_R, DOT_PRECISION=precision,
+        HAS_LORA=lora_B is not None, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=activation == "clamped_swiglu",
+        BLOCK_R=BLOCK_R, DOT_PRECISION=precision,
         SHRUNK_BY_TOKEN=token_shrunk is not None, **config,
     )
     return out
 
 
 def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, config=None,
-              lora_meta=None):
+              lora_meta=None, *, gate_up_bias=None, down_bias=None, activation="silu", alpha=1.702, limit=7.0):
     """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype. `lora_meta`:
     the batch's rows grouped by slot (dense_lora.lora_metadata of token_slots), computed here when not given."""
     T, k = topk_ids.shape
@@ -309,9 +336,10 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
         token_shrunk = dense_lora_shrink(x, lora.gate_up_A[:, 0], meta)  # [T, R]
     moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k,
              lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
-             token_shrunk=token_shrunk, config=config)
+             token_shrunk=token_shrunk, bias=gate_up_bias, activation=activation, alpha=alpha, limit=limit,
+             config=config)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
              topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
-             lora_B=lora.down_B if lora is not None else None, config=config)
+             lora_B=lora.down_B if lora is not None else None, bias=down_bias, config=config)
     return moe_sum(y.view(T, k, H))  # [T, H]

@@ -167,6 +167,34 @@ def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer):
     torch.testing.assert_close(out[no_delta], base[no_delta], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
+def test_fused_moe_biases_and_clamped_swiglu(seed, dtype, tol):
+    """GPT-OSS experts: gate_up and down biases, the clamped SwiGLU (a small limit so that the clamps bite on
+    both sides), with LoRA on some rows."""
+    g = torch.Generator().manual_seed(seed)
+    T, k, E, H, I, S, R = 21, 2, 5, 32, 16, 2, 8
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    ids, weights = routing(T, E, k, g, skip_expert=1)
+    weights = weights.to(DEVICE, dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    b_gu = torch.randn(E, 2 * I, generator=g).to(DEVICE, dtype)
+    b_d = torch.randn(E, H, generator=g).to(DEVICE, dtype)
+    lora = expert_lora(S, E, H, I, R, g, dtype, shared_outer=False)
+    slots = torch.randint(-1, S, (T,), generator=g).to(DEVICE)
+    kw = dict(activation="clamped_swiglu", alpha=1.702, limit=0.8)
+    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=SMALL, gate_up_bias=b_gu, down_bias=b_d, **kw)
+    ref = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots,
+                        gate_up_bias=b_gu.float(), down_bias=b_d.float(), **kw)
+    assert rel_err(out, ref) < tol
+    gate_up = torch.einsum("th,tjnh->tjn", x.float(), w_gu.float()[ids]) + b_gu.float()[ids]  # [T, k, 2I]
+    assert (gate_up[..., :I] > 0.8).any() and (gate_up[..., I:].abs() > 0.8).any()  # the clamps are active
+    unbiased = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots, **kw)
+    silu = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots,
+                         gate_up_bias=b_gu.float(), down_bias=b_d.float())
+    assert rel_err(unbiased, ref) > 0.05 and rel_err(silu, ref) > 0.05  # biases and activation both matter
+
+
 def _float(lora):
     return ExpertLoRA(*(getattr(lora, n).float() for n in ("gate_up_A", "gate_up_B", "down_A", "down_B")),
                       slots=lora.slots)
