@@ -11,6 +11,7 @@ import torch
 
 from lora_eval.adapters.stack import ExpertLoRA
 from lora_eval.kernels.fused_moe import SUM_BLOCK_H, fused_moe, fused_moe_ref, moe_gemm, moe_sum
+from lora_eval.kernels import fused_moe as fused_moe_module
 from lora_eval.kernels.moe_align import moe_align, moe_align_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (tests/conftest.py)
@@ -143,9 +144,11 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
 
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("shared_outer", [True, False])
-def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer):
+@pytest.mark.parametrize("all_slots", [True, False], ids=["shrink-all-slots", "shrink-per-slot"])
+def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     T, k, E, H, I, S, R = 23, 2, 6, 32, 16, 4, 8
+    monkeypatch.setattr(fused_moe_module, "ALL_SLOTS_MAX", 128 if all_slots else 0)  # both shrink variants
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=0)
     weights = weights.to(DEVICE, dtype)
