@@ -1,7 +1,8 @@
 """CUDA-graph runner: the engine's forward captured once per shape bucket and variant, then replayed.
 
 A batch of B rows padded to length L runs in the smallest bucket (rows, length) that holds it: rows rounded up
-to a power of two, length to one of four steps per octave (at most 25% padding past 64 tokens). Each bucket has
+to one of two steps per octave (1, 2, 3, 4, 6, 8, 12, ...), length to one of four steps per octave (at most 25%
+padding past 64 tokens). Each bucket has
 static buffers — input ids [rows, length], adapter slot per token [rows * length] — and up to two captured
 graphs: the forward with the LoRA kernels recorded, and the plain forward (a batch with no adapter row
 replays that one and pays nothing for LoRA). Padding rows hold token 0 and no adapter; right padding never
@@ -31,8 +32,11 @@ def round_length(n: int) -> int:
 
 
 def round_rows(n: int) -> int:
-    """The bucket row count for n rows: the next power of two."""
-    return 1 << max(n - 1, 0).bit_length()
+    """The bucket row count for n rows: the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (two steps per octave)."""
+    if n <= 4:
+        return max(n, 1)
+    high = 1 << (n - 1).bit_length()  # the power of two >= n
+    return high * 3 // 4 if n <= high * 3 // 4 else high
 
 
 def pad_to_bucket(ids: torch.Tensor, slots: list[int], rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

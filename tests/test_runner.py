@@ -26,16 +26,17 @@ def test_length_buckets_hold_the_batch_with_at_most_a_quarter_of_padding():
         [16, 20, 112, 128, 160, 1024, 1024, 1280]
 
 
-def test_row_buckets_are_powers_of_two():
-    assert [round_rows(n) for n in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 16, 128]
+def test_row_buckets_take_two_steps_per_octave():
+    assert [round_rows(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 100)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 16, 128]
+    assert all(n <= round_rows(n) <= max(n, 4) * 1.5 for n in range(1, 3000))
 
 
 def test_plan_picks_the_smallest_bucket_and_falls_back_beyond_the_largest():
     plan = BucketPlan(max_tokens=4096)
-    assert plan.bucket(3, 100) == (4, 112)
+    assert plan.bucket(3, 100) == (3, 112)
     assert plan.bucket(1, 4096) == (1, 4096)
     assert plan.bucket(2, 4096) is None  # 8192 tokens: eager
-    assert plan.bucket(5, 900) is None  # 8 x 1024 after rounding
+    assert plan.bucket(5, 900) is None  # 6 x 1024 after rounding
 
 
 def test_plan_stops_capturing_at_the_graph_count_and_memory_limits():
