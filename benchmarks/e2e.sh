@@ -16,10 +16,7 @@ CONFIG=${E2E_CONFIG:-benchmarks/configs/Qwen3-30B-A3B.json}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
   date -u; git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || tail -n 5 "$OUT/install.log"
-python3 -c "import lora_eval.kernels.fused_moe, lora_eval.runners" 2>/dev/null || {
-  echo "editable install did not map lora_eval.kernels; linking kernels/ and runners/ into lora_eval/"
-  ln -sfn ../kernels lora_eval/kernels && ln -sfn ../runners lora_eval/runners; }
+source benchmarks/gpu_setup.sh
 
 run_bench() {  # $1 = layers. Status 0: every row ran; 2: out of GPU memory somewhere; 1: another error
   local layers=$1 csv="$OUT/bench_${1}L.csv" log="$OUT/bench_${1}L.log"

@@ -1,5 +1,5 @@
 """Reading local files: JSON / JSONL documents, and tensors from safetensors files (one, or shards behind an
-index).
+index) — or from an in-memory dict with the same interface (TensorDict: random-weight benchmark models).
 
 Every failure (missing file, truncated or corrupt file, missing key, wrong shape) becomes an InputError
 that names the file and the key, never a stack trace from deep inside safetensors.
@@ -128,3 +128,53 @@ class TensorFiles:
     def describe(self) -> str:
         paths = sorted({str(p) for p in self._handles})
         return paths[0] if len(paths) == 1 else f"{Path(paths[0]).parent} (sharded checkpoint)"
+
+
+class TensorDict:
+    """In-memory tensors addressed by key, with TensorFiles' interface, so a model loader reads either source.
+    `get` hands back the tensor itself (no copy) unless a cast to another dtype is asked for."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str = "<in-memory tensors>"):
+        self.where = where
+        self.read_keys: set[str] = set()
+        for key, value in tensors.items():
+            if not isinstance(value, torch.Tensor) or value.is_meta:
+                raise InputError(where, f"expected a tensor with data, found {type(value).__name__}"
+                                 f"{' on the meta device' if isinstance(value, torch.Tensor) else ''}", key=key)
+        self._tensors = dict(tensors)
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._tensors
+
+    def file_of(self, key: str) -> str:
+        return self.where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._tensors[key].dtype
+
+    def check(self, key: str, shape: tuple[int, ...]) -> None:
+        """Raise unless `key` exists with `shape`."""
+        if key not in self._tensors:
+            raise InputError(self.where, "missing tensor", key=key)
+        self.read_keys.add(key)
+        if self.shape(key) != tuple(shape):
+            raise InputError(self.where, f"shape {list(self.shape(key))}, expected {list(shape)}", key=key)
+
+    def get(self, key: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor `key` itself, checked against `shape`; cast (a copy) only when `dtype` differs."""
+        if shape is not None:
+            self.check(key, shape)
+        elif key not in self._tensors:
+            raise InputError(self.where, "missing tensor", key=key)
+        self.read_keys.add(key)
+        tensor = self._tensors[key]
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def describe(self) -> str:
+        return self.where

@@ -123,7 +123,10 @@ class Engine:
     def next_token_logprobs(self, batch: Batch, candidates: list[int]) -> torch.Tensor:
         """float32 [rows, len(candidates)] on the CPU: log p(candidate | whole row) at each row's last position.
         The same forward as `logprobs`, but lm_head and the log-softmax over the vocabulary run for the last
-        positions only (multiple-choice scoring)."""
+        positions only (multiple-choice scoring). Every row runs with one padding token after it, so that no
+        scored position is among the last elements of a batch tensor, which some plain-torch elementwise ops
+        (F.silu) compute on a scalar path a few ulps off the vectorised one: without it a row's scores would
+        depend on its batch (`logprobs` never reads a row's last position)."""
         device = self.model.inv_freq.device
         vocab = self.model.args.vocab_size
         if not candidates or not all(0 <= c < vocab for c in candidates):
@@ -139,7 +142,7 @@ class Engine:
         if not lengths:
             return torch.empty(0, len(candidates))
         B = len(lengths)
-        hidden, L, with_lora = self._forward(batch.input_ids, slots)  # [B'*L, H]
+        hidden, L, with_lora = self._forward([[*ids, 0] for ids in batch.input_ids], slots)  # [B'*L, H]
         fwd = _LazyForward(self, lengths, slots, L, with_lora)
         last = torch.tensor([i * L + n - 1 for i, n in enumerate(lengths)], device=device)  # [B] token rows
         wanted = torch.tensor(candidates, dtype=torch.long, device=device)  # [C]

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
 from .kernels.fused_moe import fused_moe_ref
 from .kernels.linear import linear_ref
-from .models.layers import rms_norm
+from .kernels.rms_norm import rms_norm_ref
+from .kernels.rope import rope_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -80,12 +81,26 @@ class Forward:
         return y
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x, module.weight, module.eps)
+        if self.triton:
+            from .kernels.rms_norm import rms_norm
+
+            norm = rms_norm
+        else:
+            norm = rms_norm_ref
+        y = norm(x, module.weight, module.eps)
         override = self.stack.overrides.get(module.site) if self.stack is not None else None
         if override is not None:
-            y = self._replace(override, y, lambda rows, p: rms_norm(x if rows is None else x[rows], p["weight"],
-                                                                      module.eps))
+            y = self._replace(override, y, lambda rows, p: norm(x if rows is None else x[rows], p["weight"],
+                                                                 module.eps))
         return y
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [B, L, heads, D] by cos/sin [B, L, D] -> [B, heads, L, D], the attention layout."""
+        if self.triton and x.stride(-1) == 1 and (x.shape[-1] // 2) & (x.shape[-1] // 2 - 1) == 0:
+            from .kernels.rope import rope
+
+            return rope(x, cos, sin)
+        return rope_ref(x, cos, sin)
 
     def embedding(self, module, ids: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids, module.weight)  # [T, H]
@@ -108,18 +123,31 @@ class Forward:
     def moe(self, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed experts of one layer: x [T, H], topk [T, k] -> [T, H]."""
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
+        variant = dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
+                       activation=experts.activation, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)
         if self.triton:
             from .kernels.fused_moe import fused_moe
 
             return fused_moe(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
-                             self.token_slots)
+                             self.token_slots, lora_meta=self.meta if lora is not None else None, **variant)
         if lora is not None and not any(s in lora.slots for s in self.groups):
             lora = None
         return fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
-                             self.token_slots)
+                             self.token_slots, **variant)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention over right-padded rows: q [B, nh, L, D], k/v [B, nkv, L, D] -> [B, nh, L, D]."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """Causal attention over right-padded rows: q [B, nh, L, D], k/v [B, nkv, L, D] -> [B, nh, L, D].
+        `sinks` [nh]: a learned logit per head in every softmax denominator; `window`: a query sees only the last
+        `window` positions, itself included (both GPT-OSS; computed by sink_attention)."""
+        if sinks is not None or window is not None:
+            if self.triton:  # plain torch over the padded batch until a fused kernel with sinks exists
+                return sink_attention(q, k, v, scale, sinks, window)
+            out = torch.zeros_like(q)  # each row over its own length, as below
+            for b, n in enumerate(self.lengths):
+                out[b, :, :n] = sink_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], scale,
+                                               sinks, window)[0]
+            return out
         gqa = q.shape[1] != k.shape[1]
         if self.triton:  # one call: padding sits after every valid position, so causal masking suffices
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -128,3 +156,32 @@ class Forward:
             out[b, :, :n] = F.scaled_dot_product_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
+
+
+# ---- GPT-OSS ops in plain torch --------------------------------------------------------------------------
+SCORES_BUDGET = 1 << 24  # attention scores held at once by sink_attention (64 MiB in float32)
+
+
+def sink_attention(q, k, v, scale: float, sinks=None, window: int | None = None) -> torch.Tensor:
+    """Causal attention with optional sinks and sliding window, transformers' eager formula: q [B, nh, L, D],
+    k/v [B, nkv, L, D] -> [B, nh, L, D]. Queries go in chunks so that at most SCORES_BUDGET scores exist at once;
+    the softmax is taken in float32."""
+    B, nh, L, D = q.shape
+    k = k.repeat_interleave(nh // k.shape[1], dim=1)  # [B, nh, L, D]: query head h reads kv head h // groups
+    v = v.repeat_interleave(nh // v.shape[1], dim=1)  # [B, nh, L, D]
+    keys = torch.arange(L, device=q.device)  # [L]
+    out = torch.empty_like(q)
+    step = max(1, SCORES_BUDGET // (B * nh * L))
+    for start in range(0, L, step):
+        queries = keys[start:start + step]  # [C]
+        scores = torch.matmul(q[:, :, start:start + step], k.transpose(-1, -2)) * scale  # [B, nh, C, L]
+        allowed = keys[None, :] <= queries[:, None]  # [C, L]
+        if window is not None:
+            allowed &= keys[None, :] > queries[:, None] - window
+        scores = scores.float().masked_fill(~allowed, float("-inf"))  # [B, nh, C, L]
+        if sinks is not None:
+            sink = sinks.float().view(1, nh, 1, 1).expand(B, nh, queries.numel(), 1)  # [B, nh, C, 1]
+            scores = torch.cat([scores, sink], dim=-1)  # [B, nh, C, L+1]
+        probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)[..., :L]  # sink column dropped
+        out[:, :, start:start + step] = torch.matmul(probs.to(v.dtype), v)  # [B, nh, C, D]
+    return out

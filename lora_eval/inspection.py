@@ -13,7 +13,8 @@ from .models import load_model
 COLUMNS = ["adapter", "layout", "kind", "part", "layers", "rank", "scaling", "params"]
 
 
-def inspect_adapters(model_dir: str | Path, adapters: dict[str, str | Path]) -> tuple[dict, pd.DataFrame]:
+def inspect_adapters(model_dir: str | Path, adapters: dict[str, str | Path],
+                     gate_up_layout: str | None = None) -> tuple[dict, pd.DataFrame]:
     """(model summary, one row per adapter x module kind x part). Reads only shapes of the base weights."""
     model = load_model(model_dir, dtype=torch.float32, device="meta")
     args = model.args
@@ -22,7 +23,7 @@ def inspect_adapters(model_dir: str | Path, adapters: dict[str, str | Path]) -> 
                    vocab=args.vocab_size)
     rows = []
     for name, path in adapters.items():
-        adapter = load_adapter(path, name, model)
+        adapter = load_adapter(path, name, model, gate_up_layout)
         layout = ", ".join(sorted(adapter.layouts)) or "dense targets only"
         targets = pd.DataFrame(adapter.targets)
         if targets.empty:

@@ -25,6 +25,7 @@ from .engine import DTYPES
 from .errors import InputError
 from .progress import progress
 from .models import load_model
+from .models.layers import interleave_gate_up
 from .references import BASE, write_reference
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
@@ -69,8 +70,10 @@ def _tokenizer(model_dir):
 
 
 def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None, prompts: str | Path,
-                   out: str | Path, *, dtype: str = "float32", device: str = "cpu", quiet: bool = False) -> pd.DataFrame:
-    """Reference logprobs of every prompt under its adapter, from transformers + PEFT; written as Parquet."""
+                   out: str | Path, *, dtype: str = "float32", device: str = "cpu", quiet: bool = False,
+                   gate_up_layout: str | None = None) -> pd.DataFrame:
+    """Reference logprobs of every prompt under its adapter, from transformers + PEFT; written as Parquet.
+    `gate_up_layout`: the row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py)."""
     adapters = dict(adapters or {})
     if dtype not in DTYPES:
         raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
@@ -81,10 +84,10 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
         raise InputError(prompts, f"names adapter '{unknown[0]}', which was not given; known adapters: "
                          f"{', '.join(sorted(adapters)) or 'none'}", key="adapter")
     with quiet_libraries():
-        return _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, quiet)
+        return _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, quiet, gate_up_layout)
 
 
-def _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, quiet) -> pd.DataFrame:
+def _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, quiet, gate_up_layout) -> pd.DataFrame:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +104,7 @@ def _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, qui
             rows = frame[frame["adapter"].isna()] if name is None else frame[frame["adapter"] == name]
             if rows.empty:
                 continue
-            parsed = None if name is None else load_adapter(adapters[name], name, shapes)
+            parsed = None if name is None else load_adapter(adapters[name], name, shapes, gate_up_layout)
             if parsed is None:
                 runner = model
             elif parsed.layouts <= PEFT_LAYOUTS:
@@ -154,8 +157,13 @@ def merged_copy(model, adapter):
             if part is None:
                 continue
             A, B = part  # [Ea, r, in], [Eb, out, r]
-            weight = getattr(experts, name)  # [E, out, in]
-            weight += torch.matmul(B, A).to(weight)  # [E or 1, out, in] broadcast over experts
+            delta = torch.matmul(B, A)  # [E or 1, out, in] broadcast over experts; gate_up rows: gate, then up
+            if name == "gate_up_proj" and not getattr(experts, "is_concatenated", True):
+                delta = interleave_gate_up(delta, dim=1)  # transformers' own order (GPT-OSS: gate, up alternating)
+            if getattr(experts, "is_transposed", False):
+                delta = delta.transpose(1, 2)  # [E or 1, in, out] (GPT-OSS)
+            weight = getattr(experts, name)
+            weight += delta.to(weight)
     return merged.eval()
 
 

@@ -3,7 +3,8 @@
 Everything is built from seeded random weights, so tests need no model hub. The references
 ("oracles") are plain transformers / PEFT models run in float32:
 
-* ``save_random_model`` writes a tiny Qwen3-MoE, Qwen3 or Llama checkpoint.
+* ``save_random_model`` writes a tiny checkpoint of a family in ``FAMILIES`` (Qwen3-MoE, Qwen3, Llama, Mixtral,
+  OLMoE, Qwen2-MoE, GPT-OSS).
 * ``save_random_peft_adapter`` writes an adapter through PEFT itself; ``peft_oracle`` loads it back.
 * ``write_expert_adapter`` hand-writes MoE expert adapters in the layouts found in the wild and
   returns a ``MergedOracle``: the base model with the same deltas merged into its weights.
@@ -24,8 +25,16 @@ from peft.utils import ModulesToSaveWrapper
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -85,10 +94,50 @@ def tiny_llama_config(**overrides) -> dict:
     return _common_config(**overrides)
 
 
+def tiny_mixtral_config(**overrides) -> dict:
+    """MixtralConfig kwargs: 6 experts, top-2 in every layer; intermediate_size is the expert size (2I != H)."""
+    return _common_config(**{**dict(intermediate_size=12, num_local_experts=6, num_experts_per_tok=2), **overrides})
+
+
+def tiny_olmoe_config(**overrides) -> dict:
+    """OlmoeConfig kwargs: 6 experts, top-2 in every layer, norm_topk_prob false as released; head_dim is H / heads."""
+    config = _common_config(**{**dict(intermediate_size=12, num_experts=6, num_experts_per_tok=2,
+                                      norm_topk_prob=False, eos_token_id=0), **overrides})
+    config.pop("head_dim")
+    return config
+
+
+def tiny_qwen2_moe_config(**overrides) -> dict:
+    """Qwen2MoeConfig kwargs: 6 experts, top-2, a shared expert of 20, qkv biases, layer 1 dense (mlp_only_layers)."""
+    moe = dict(moe_intermediate_size=8, shared_expert_intermediate_size=20, num_experts=6, num_experts_per_tok=2,
+               norm_topk_prob=False, qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    config = _common_config(**{**moe, **overrides})
+    config.pop("head_dim")
+    return config
+
+
+# A yarn rope with a short original context (max_position_embeddings = factor * original, as transformers expects)
+GPT_OSS_YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=16, rope_theta=10000.0)
+
+
+def tiny_gpt_oss_config(**overrides) -> dict:
+    """GptOssConfig kwargs: 6 experts, top-2 in every layer (expert size 8, so 2I != H), a sliding window of 5 on
+    layers 0 and 2, yarn rope, and swiglu_limit 1 so that both clamps of the activation bite."""
+    gpt_oss = dict(intermediate_size=8, num_local_experts=6, num_experts_per_tok=2, sliding_window=5,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=1.0,
+                   rope_parameters=GPT_OSS_YARN, max_position_embeddings=64)
+    return _common_config(**{**gpt_oss, **overrides})
+
+
 FAMILIES = {
     "qwen3_moe": (tiny_qwen3_moe_config, Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen3": (tiny_qwen3_config, Qwen3Config, Qwen3ForCausalLM),
     "llama": (tiny_llama_config, LlamaConfig, LlamaForCausalLM),
+    "mixtral": (tiny_mixtral_config, MixtralConfig, MixtralForCausalLM),
+    "olmoe": (tiny_olmoe_config, OlmoeConfig, OlmoeForCausalLM),
+    "qwen2_moe": (tiny_qwen2_moe_config, Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "gpt_oss": (tiny_gpt_oss_config, GptOssConfig, GptOssForCausalLM),
 }
 
 
@@ -96,37 +145,45 @@ def _randn(shape, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=torch.float32)
 
 
-def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _random_like(name: str, param: torch.Tensor, generator: torch.Generator, router_gain: float = ROUTER_GAIN,
+                 lm_head_gain: float = LM_HEAD_GAIN) -> torch.Tensor:
     """A fresh value for one base-model parameter, scaled by its role."""
     noise = _randn(param.shape, generator)
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * noise
     if "embed_tokens" in name:
         return noise
-    if param.ndim == 1:  # biases
+    if name.endswith("self_attn.sinks"):  # GPT-OSS attention sinks: logits of the size of attention scores
+        return noise
+    if param.ndim == 1 or name.endswith("_bias"):  # biases (GPT-OSS expert biases are [E, out])
         return 0.1 * noise
     gain = 1.0
-    if name.endswith("mlp.gate.weight"):  # MoE router
-        gain = ROUTER_GAIN
+    if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE router
+        gain = router_gain
     elif "lm_head" in name:
-        gain = LM_HEAD_GAIN
+        gain = lm_head_gain
     return noise * (gain / math.sqrt(param.shape[-1]))  # fan_in is the last dim, for 2D and 3D alike
 
 
 def save_random_model(
-    out_dir, family: str, *, seed: int, dtype=torch.float32, max_shard_size=None, **config_overrides
+    out_dir, family: str, *, seed: int, dtype=torch.float32, max_shard_size=None, fused_experts: bool = False,
+    router_gain: float = ROUTER_GAIN, lm_head_gain: float = LM_HEAD_GAIN, **config_overrides,
 ) -> Path:
-    """Write a tiny random checkpoint of ``family`` ("qwen3_moe", "qwen3" or "llama") to ``out_dir``."""
+    """Write a tiny random checkpoint of ``family`` (a key of ``FAMILIES``) to ``out_dir``.
+
+    By default experts are stored per expert under the family's published names, as transformers 5 writes them;
+    ``fused_experts`` stores transformers 5's in-memory names instead (``save_original_format=False``).
+    Lower gains give less peaked routing and next-token distributions (less sensitive to low precision)."""
     make_config, config_cls, model_cls = FAMILIES[family]
     model = model_cls(config_cls(**make_config(**config_overrides))).float()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_random_like(name, param, generator))
+            param.copy_(_random_like(name, param, generator, router_gain, lm_head_gain))
     model.to(dtype)
     out_dir = Path(out_dir)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out_dir, **kwargs)
+    model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
     return out_dir
 
 
@@ -262,7 +319,8 @@ def _pack_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _layer_tensors(prefix: str, f: _ExpertFactors, layout: str, names: str) -> dict[str, torch.Tensor]:
-    """Adapter tensors of one MoE layer in ``layout``, keyed relative to ``prefix`` (ending in "mlp.")."""
+    """Adapter tensors of one MoE layer in ``layout``, keyed relative to ``prefix`` (ending in "mlp." or
+    "block_sparse_moe.")."""
     tensors = {}
 
     def put(module: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -314,11 +372,13 @@ def write_expert_adapter(
     shared_outer: bool = False,
     include_router: bool = False,
     layers=None,
+    moe_module: str = "mlp",
 ) -> MergedOracle:
     """Hand-write a LoRA adapter on the MoE experts of ``model_dir`` in ``layout``; return its merged oracle.
 
     ``shared_outer`` shares the gate/up A and the down B across experts (stored with expert dim 1);
-    ``layers`` restricts the adapter to those MoE layers (default: all of them).
+    ``layers`` restricts the adapter to those MoE layers (default: all of them); ``moe_module`` names the MoE
+    block in the keys (Mixtral adapters trained with transformers 4 say "block_sparse_moe").
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
@@ -339,7 +399,7 @@ def write_expert_adapter(
     for i in layers:
         mlp = model.model.layers[i].mlp
         factors = _draw_expert_factors(mlp, layout, rank, scaling, shared_outer, include_router, generator)
-        tensors.update(_layer_tensors(f"base_model.model.model.layers.{i}.mlp.", factors, layout, names))
+        tensors.update(_layer_tensors(f"base_model.model.model.layers.{i}.{moe_module}.", factors, layout, names))
         _merge(mlp, factors, scaling)
 
     config = {

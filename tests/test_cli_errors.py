@@ -502,9 +502,9 @@ def test_missing_model_folder(tmp_path):
 
 
 def test_unsupported_model_type(art, tmp_path):
-    model = copy_dir(art.model, tmp_path / "mixtral")
-    edit_json(model / "config.json", model_type="mixtral", architectures=["MixtralForCausalLM"])
-    assert_input_error(inspect(model), str(model / "config.json"), "model_type", "mixtral")
+    model = copy_dir(art.model, tmp_path / "deepseek_v2")
+    edit_json(model / "config.json", model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
+    assert_input_error(inspect(model), str(model / "config.json"), "model_type", "deepseek_v2")
 
 
 @pytest.mark.parametrize("value", ["no_equals_sign", "=dir", "name="])

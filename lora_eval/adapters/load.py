@@ -11,23 +11,30 @@ Expert layouts read (keys after `base_model.model.`, `{x}` = `model.layers.{i}.m
   target_parameters (PEFT ParamWrapper; gate_up inner, down outer; told apart by shape)
                    {x}.base_layer.lora_A.weight [r*E, H] (expert-major), lora_B [2I, r*E] (rank-major)
                    {x}.lora_A.weight [r*E, I], {x}.lora_B.weight [H, r*E]
+A family may rename module paths of older adapters first (its ADAPTER_RENAMES: Mixtral's block_sparse_moe -> mlp).
+Gate/up row order of a fused gate_up LoRA B: a target_parameters delta follows the model's own parameter (GPT-OSS
+interleaves gate and up: de-interleaved here); a fused / shared-outer 3D B is [gate; up] unless `gate_up_layout`
+says "interleaved" — on a model whose own order is interleaved it must be given (GATE_UP_LAYOUTS).
 """
 
 from __future__ import annotations
 
 import pickle
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from ..checkpoint import TensorFiles
 from ..errors import InputError, UnsupportedError
+from ..models import FAMILIES
+from ..models.layers import deinterleave_gate_up
 from .config import AdapterConfig
 from .targets import EXPERT_PROJ, EXPERT_PROJ_3D, Sites, kind_of, layer_of, resolve_targets
 
 PREFIX = "base_model.model."
+GATE_UP_LAYOUTS = ("interleaved", "concatenated")  # row orders of a fused gate_up LoRA B
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<ab>[AB])$")
 OVERRIDE_KEY = re.compile(r"^(?P<module>.+?)(?P<copy>\.modules_to_save\.[^.]+|\.base_layer)?\.(?P<param>weight|bias)$")
@@ -82,26 +89,54 @@ def read_adapter_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], Pa
                      "(or adapter_model.bin)")
 
 
-def load_adapter(adapter_dir: str | Path, name: str, model) -> Adapter:
-    """Read, validate and normalise the PEFT adapter in `adapter_dir` for `model` (our CausalLM)."""
+def load_adapter(adapter_dir: str | Path, name: str, model, gate_up_layout: str | None = None) -> Adapter:
+    """Read, validate and normalise the PEFT adapter in `adapter_dir` for `model` (our CausalLM).
+    `gate_up_layout` ("interleaved" / "concatenated"): the row order of fused 3D gate_up LoRA, which the files
+    do not record (see the module notes)."""
+    if gate_up_layout not in (None, *GATE_UP_LAYOUTS):
+        raise InputError("--gate-up-layout", f"'{gate_up_layout}' is not one of {', '.join(GATE_UP_LAYOUTS)}")
     adapter_dir = Path(adapter_dir)
     if not adapter_dir.is_dir():
         raise InputError(adapter_dir, f"adapter folder for '{name}' not found")
-    config = AdapterConfig.read(adapter_dir)
+    # module paths of older transformers -> ours, per family (e.g. Mixtral's block_sparse_moe -> mlp)
+    renames = getattr(FAMILIES.get(model.args.model_type), "ADAPTER_RENAMES", ())
+    config = _renamed_config(AdapterConfig.read(adapter_dir), renames)
     sites = Sites.of(model)
     targeted = resolve_targets(config, sites)
     tensors, wfile = read_adapter_tensors(adapter_dir)
     adapter = Adapter(name=name, path=adapter_dir, config=config, weights_file=wfile)
-    parser = _Parser(adapter, sites, wfile, targeted)
+    parser = _Parser(adapter, sites, wfile, targeted, renames, gate_up_layout)
     for key, tensor in tensors.items():
         parser.add(key, tensor)
     parser.finish()
     return adapter
 
 
+def _renamed(name: str, renames) -> str:
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name
+
+
+def _renamed_config(config: AdapterConfig, renames) -> AdapterConfig:
+    """`config` with the family's renames applied to every module name and pattern in it."""
+    if not renames:
+        return config
+    targets = config.target_modules
+    return replace(
+        config, target_modules=_renamed(targets, renames) if isinstance(targets, str)
+        else targets and [_renamed(t, renames) for t in targets],
+        target_parameters=[_renamed(t, renames) for t in config.target_parameters],
+        rank_pattern={_renamed(k, renames): v for k, v in config.rank_pattern.items()},
+        alpha_pattern={_renamed(k, renames): v for k, v in config.alpha_pattern.items()},
+        modules_to_save=[_renamed(m, renames) for m in config.modules_to_save])
+
+
 class _Parser:
-    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str]):
-        self.adapter, self.sites, self.wfile = adapter, sites, wfile
+    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str], renames=(),
+                 gate_up_layout: str | None = None):
+        self.adapter, self.sites, self.wfile, self.renames = adapter, sites, wfile, renames
+        self.gate_up_layout = gate_up_layout
         self.targeted = set(targeted)
         self.weight_sites = {**sites.linear, **sites.norm, **sites.embedding}  # modules_to_save candidates
         self.config = adapter.config
@@ -115,7 +150,7 @@ class _Parser:
     def add(self, key: str, tensor: torch.Tensor):
         if not key.startswith(PREFIX):
             raise self.error(key, f"expected adapter keys to start with '{PREFIX}'")
-        k = key[len(PREFIX):]
+        k = _renamed(key[len(PREFIX):], self.renames)
         if "lora_magnitude_vector" in k:
             raise UnsupportedError(self.wfile, "DoRA magnitude vectors are not supported by lora-eval", key=key)
         if re.search(r"\.lora_[AB]\.bias$", k):
@@ -231,6 +266,8 @@ class _Parser:
                     raise self.error(b_key, f"shape {list(B.shape)}, expected [{E} or 1, {dims[part][1]}, {r}]")
                 self._check(b_key, B, (B.shape[0], dims[part][1], r))
                 scaling = self._scaling(a_key, module, r)
+                if part == "gate_up" and self._fused_gate_up_interleaved(experts, b_key):
+                    B = deinterleave_gate_up(B, dim=1)  # [Eb, 2I, r]: gate rows, then up rows
                 self._set_part(site, part, A, B * scaling, a_key, r, scaling)
                 shared = E > 1 and 1 in (A.shape[0], B.shape[0])
                 self.adapter.layouts.add("shared-outer 3D" if shared else "fused 3D")
@@ -254,8 +291,21 @@ class _Parser:
         scaling = self._scaling(a_key, f"{site}.{param}", r)
         A3 = A.reshape(E, r, A.shape[1])  # [E, r, in]
         B3 = B.reshape(out, r, E).permute(2, 0, 1).contiguous()  # [E, out, r]
+        if part == "gate_up" and self.sites.experts[site].interleaved_gate_up:  # the delta of the model's own param
+            B3 = deinterleave_gate_up(B3, dim=1)  # [E, 2I, r]: gate rows, then up rows
         self._set_part(site, part, A3, B3 * scaling, a_key, r, scaling)
         self.adapter.layouts.add("PEFT target_parameters")
+
+    def _fused_gate_up_interleaved(self, experts, key) -> bool:
+        """Whether a fused 3D gate_up B alternates gate and up rows: `gate_up_layout` when given; else [gate; up],
+        unless the model's own parameter interleaves them (GPT-OSS): then either is plausible and we ask."""
+        if self.gate_up_layout is not None:
+            return self.gate_up_layout == "interleaved"
+        if experts.interleaved_gate_up:
+            raise InputError(self.wfile, "a fused gate_up LoRA on a model whose gate_up_proj interleaves gate and up "
+                             "columns: its row order cannot be told from the file; pass --gate-up-layout interleaved "
+                             "(gate, up alternating) or concatenated (all gate rows, then all up rows)", key=key)
+        return False
 
     def _set_part(self, site, part, A, B, key, r, scaling):
         parts = self.expert_parts.setdefault(site, {})

@@ -53,9 +53,11 @@ def layer_of(name: str) -> int | None:
 
 
 def kind_of(name: str) -> str:
-    """Short module kind for reports: q_proj, gate (router), experts, embed_tokens, lm_head, ..."""
+    """Short module kind for reports: q_proj, gate (router), experts, shared_expert.up_proj, embed_tokens, ..."""
     if ".experts" in name:
         return "experts"
+    if ".shared_expert." in name:  # Qwen2-MoE's shared expert: dense, but not the dense MLP
+        return "shared_expert." + name.rsplit(".", 1)[-1]
     return name.rsplit(".", 1)[-1]
 
 

@@ -1,4 +1,5 @@
-"""Model families and checkpoint loading: config.json -> family -> our model code with the checkpoint's weights."""
+"""Model families and checkpoint loading: config.json -> family -> our model code with the checkpoint's weights
+(or with in-memory tensors: `load_model_from_tensors`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import TensorFiles, read_json
+from ..checkpoint import TensorDict, TensorFiles, read_json
 from ..errors import InputError, UnsupportedError
-from . import qwen3
+from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3
 
 # model_type in config.json -> the module holding that family's ModelArgs, CausalLM and load_weights
-FAMILIES = {model_type: qwen3 for model_type in qwen3.MODEL_TYPES}
+FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, gpt_oss)
+            for model_type in family.MODEL_TYPES}
 # transformers' in-memory names that are not checkpoint tensors
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)
 
@@ -23,14 +25,33 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         raise InputError(model_dir, "model folder not found")
     config_path = model_dir / "config.json"
     config = read_json(config_path)
+    family, args = _family_and_args(config, config_path)
+    return _build(family, args, TensorFiles.from_checkpoint_dir(model_dir), dtype, device)
+
+
+def load_model_from_tensors(config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                            device: str | torch.device, where: str = "<in-memory config>"):
+    """Our model for a config.json dict and in-memory weights keyed as in a checkpoint (a transformers model's
+    `state_dict()`: fused experts under transformers 5's names, or per-expert on-disk names; load_weights reads
+    both). A tensor already in `dtype` on `device` becomes our parameter as it is, sharing its storage (no copy);
+    others are copied. `where` names the source in error messages."""
+    family, args = _family_and_args(config, where)
+    return _build(family, args, TensorDict(tensors, where=f"{where} (in-memory tensors)"), dtype, device)
+
+
+def _family_and_args(config: dict, where):
+    """The family module for config's model_type, and its ModelArgs read from `config`."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
-        raise UnsupportedError(config_path, f"'{model_type}' ({arch}) is not supported; supported model types: "
+        raise UnsupportedError(where, f"'{model_type}' ({arch}) is not supported; supported model types: "
                                f"{', '.join(sorted(FAMILIES))}", key="model_type")
     family = FAMILIES[model_type]
-    args = family.ModelArgs.from_config(config, where=str(config_path))
-    files = TensorFiles.from_checkpoint_dir(model_dir)
+    return family, family.ModelArgs.from_config(config, where=str(where))
+
+
+def _build(family, args, files, dtype: torch.dtype, device: str | torch.device):
+    """Our model of `args` with every weight read from `files` (TensorFiles or TensorDict)."""
     with torch.device("meta"):
         model = family.CausalLM(args)
     weights = family.load_weights(model, files, dtype, torch.device(device))
@@ -40,7 +61,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                          f"describes it ({len(unused)} such keys); does config.json match the weights?",
                          key=unused[0])
     model.load_state_dict(weights, strict=True, assign=True)
-    model.inv_freq = qwen3.rope_inv_freq(args.head_dim, args.rope, args.where).to(device)
+    # the rope buffer is not a checkpoint tensor: computed again on the device (a family may bring its own rope)
+    model.inv_freq = getattr(family, "rope_inv_freq", qwen3.rope_inv_freq)(args.head_dim, args.rope,
+                                                                           args.where).to(device)
     model.eval()
     return model
 

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import UnsupportedError
+from ..errors import InputError, UnsupportedError
 
 
 class Linear(nn.Module):
@@ -41,22 +41,43 @@ class RMSNorm(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """All experts of one MoE layer: gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I]."""
+    """All experts of one MoE layer: gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I].
 
-    def __init__(self, site: str, num_experts: int, hidden_size: int, intermediate_size: int):
+    Optional (GPT-OSS): biases gate_up [E, 2I] (gate, then up) and down [E, H]; `activation` "silu"
+    (silu(gate) * up) or "clamped_swiglu" ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit)); `interleaved_gate_up`: the Hugging Face parameter these came from alternates gate and
+    up columns, which is the order of a PEFT target_parameters LoRA on it.
+    """
+
+    def __init__(self, site: str, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 interleaved_gate_up: bool = False):
         super().__init__()
         self.site = site
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         E, H, I = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)  # [E, H, I]
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False) if bias else None  # [E, 2I]
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False) if bias else None  # [E, H]
+        if activation not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"unknown expert activation {activation!r}")
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        self.interleaved_gate_up = interleaved_gate_up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Alternating gate/up entries along `dim` (gate0, up0, gate1, up1, ...) -> all gate entries, then all up."""
+    n = t.shape[dim]
+    order = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)]).to(t.device)  # [2I]
+    return t.index_select(dim, order)
+
+
+def interleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of deinterleave_gate_up: gate entries, then up entries along `dim` -> alternating."""
+    n = t.shape[dim]
+    order = torch.arange(n).view(2, n // 2).T.reshape(-1).to(t.device)  # [2I]: 0, I, 1, I+1, ...
+    return t.index_select(dim, order)
 
 
 class Embedding(nn.Module):
@@ -94,15 +115,55 @@ def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> to
     raise UnsupportedError(where, f"rope type '{rope_type}' is not supported (default, linear, llama3 are)", key=key)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [..., D] for integer positions [...] (float32 math, then cast like transformers)."""
+def yarn_rope(head_dim: int, params: dict, where: str = "config.json",
+              key: str = "rope_parameters") -> tuple[torch.Tensor, float]:
+    """YaRN rope as transformers computes it (`_compute_yarn_parameters`): inverse frequencies [head_dim/2] that
+    blend interpolated (/ factor) and original frequencies over a linear ramp between the beta_fast / beta_slow
+    correction dims, and the attention factor that multiplies cos and sin. `params`: the config's rope parameters
+    with rope_theta, and max_position_embeddings (used when there is no factor)."""
+    def number(name, default=None):
+        value = params.get(name, default)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise InputError(where, f"yarn rope needs a positive number for '{name}', found {value!r}", key=key)
+        return float(value)
+
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedError(where, "partial_rotary_factor with a yarn rope is not supported", key=key)
+    theta = number("rope_theta")
+    original = number("original_max_position_embeddings")
+    factor = params.get("factor")
+    factor = number("factor") if factor is not None else number("max_position_embeddings") / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+    dim = head_dim
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)  # [D/2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # [D/2]
+    extrapolation = 1 - ramp  # share of the original frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation  # [D/2]
+    return inv_freq, float(attention_factor)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos, sin [..., D] for integer positions [...] (float32 math, then cast like transformers); `scale` is the
+    rope's attention factor (YaRN), multiplied into both."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [..., D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [..., D]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, L, heads, D] rotated by cos/sin [B, L, D] (rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos[:, :, None] + rotated * sin[:, :, None]

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
-from .layers import Embedding, FusedExperts, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from .layers import Embedding, FusedExperts, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "llama")
 
 # fused in-memory expert tensor -> the per-expert on-disk projections stacked into it (in row order)
+# (other families: lora_eval/models/*.py, each with its own mapping passed to load_weights)
 CHECKPOINT_EXPERT_KEYS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
@@ -88,22 +89,35 @@ class ModelArgs:
         if heads % args.num_kv_heads:
             raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
                              key="num_key_value_heads")
-        if model_type == "qwen3_moe":
-            args.num_experts = read("num_experts", int, "num_local_experts", minimum=1)
-            args.top_k = read("num_experts_per_tok", int, minimum=1)
-            args.moe_intermediate_size = read("moe_intermediate_size", int, minimum=1)
-            args.norm_topk_prob = bool(config.get("norm_topk_prob", False))
-            step = read("decoder_sparse_step", int, default=1, minimum=1)
-            dense = config.get("mlp_only_layers") or []
-            if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-                raise InputError(where, f"expected a list of layer indices, found {dense!r}", key="mlp_only_layers")
-            args.sparse_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-            if args.top_k > args.num_experts:
-                raise InputError(where, f"{args.top_k} is more than num_experts ({args.num_experts})",
-                                 key="num_experts_per_tok")
+        args.read_family(config, read)
         if len(args.sparse_layers) < layers and args.intermediate_size <= 0:
             raise InputError(where, "dense MLP layers need a positive intermediate_size", key="intermediate_size")
         return args
+
+    def read_family(self, config: dict, read) -> None:
+        """The family's own fields (`read`: from_config's validated reader). Other families subclass ModelArgs
+        and override this (lora_eval/models/mixtral.py, olmoe.py, qwen2_moe.py)."""
+        if self.model_type == "qwen3_moe":
+            self.read_experts(config, read)
+            self.read_sparse_layers(config, read)
+
+    def read_experts(self, config: dict, read, intermediate_key: str = "moe_intermediate_size") -> None:
+        """Router and expert sizes: num_experts (or num_local_experts), num_experts_per_tok, norm_topk_prob."""
+        self.num_experts = read("num_experts", int, "num_local_experts", minimum=1)
+        self.top_k = read("num_experts_per_tok", int, minimum=1)
+        self.moe_intermediate_size = read(intermediate_key, int, minimum=1)
+        self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
+        if self.top_k > self.num_experts:
+            raise InputError(self.where, f"{self.top_k} is more than num_experts ({self.num_experts})",
+                             key="num_experts_per_tok")
+
+    def read_sparse_layers(self, config: dict, read) -> None:
+        """Which layers are MoE: every `decoder_sparse_step`-th one, except those in `mlp_only_layers`."""
+        step = read("decoder_sparse_step", int, default=1, minimum=1)
+        dense = config.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+            raise InputError(self.where, f"expected a list of layer indices, found {dense!r}", key="mlp_only_layers")
+        self.sparse_layers = tuple(i for i in range(self.num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 class Attention(nn.Module):
@@ -118,17 +132,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x, cos, sin, fwd):
-        B, L, _ = cos.shape
+    def project(self, x, fwd):
+        """q [T, nh, D], k and v [T, nkv, D] before RoPE (families with other q/k norms override this)."""
         T = x.shape[0]
         q = self.q_proj(x, fwd).view(T, self.num_heads, self.head_dim)  # [T, nh, D]
         k = self.k_proj(x, fwd).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
-        v = self.v_proj(x, fwd).view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
+        v = self.v_proj(x, fwd).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q, fwd), self.k_norm(k, fwd)
-        q = apply_rope(q.view(B, L, self.num_heads, self.head_dim), cos, sin)  # [B, L, nh, D]
-        k = apply_rope(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)  # [B, L, nkv, D]
-        out = fwd.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.head_dim**-0.5)
+        return q, k, v
+
+    def forward(self, x, cos, sin, fwd):
+        B, L, _ = cos.shape
+        T = x.shape[0]
+        q, k, v = self.project(x, fwd)
+        v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
+        q = fwd.rope(q.view(B, L, self.num_heads, self.head_dim), cos, sin)  # [B, nh, L, D]
+        k = fwd.rope(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)  # [B, nkv, L, D]
+        out = fwd.attention(q, k, v, self.head_dim**-0.5)  # [B, nh, L, D]
         out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]
         return self.o_proj(out, fwd)  # [T, H]
 
@@ -208,22 +229,31 @@ class CausalLM(nn.Module):
         return self.lm_head(h, fwd)  # [N, V]
 
 
-def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device,
+                 expert_keys: dict = CHECKPOINT_EXPERT_KEYS, renames: tuple = ()) -> dict[str, torch.Tensor]:
     """Every parameter of `model` read from checkpoint `files` in `dtype`, one tensor in memory at a time.
-    On the meta device only the keys and shapes are checked and nothing is read."""
+    On the meta device only the keys and shapes are checked and nothing is read.
+
+    A parameter is read under its own name (fused experts included, as transformers 5 writes them with
+    save_original_format=False) or else under its on-disk name: `renames` (ours, on disk) applied to it, and
+    fused experts stacked from the per-expert projections `expert_keys` names."""
     args = model.args
     weights = {}
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and name not in files and args.tie_word_embeddings:
             continue  # tied below
+        key = name
+        if name not in files:
+            for ours, on_disk in renames:
+                key = key.replace(ours, on_disk)
         kind = name.rsplit(".", 1)[-1]
-        if kind in CHECKPOINT_EXPERT_KEYS and name not in files:
-            weights[name] = _read_experts(files, name, param.shape, CHECKPOINT_EXPERT_KEYS[kind], dtype, device)
+        if kind in expert_keys and key not in files:
+            weights[name] = _read_experts(files, key, param.shape, expert_keys[kind], dtype, device)
         elif device.type == "meta":
-            files.check(name, tuple(param.shape))
+            files.check(key, tuple(param.shape))
             weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
         else:
-            weights[name] = files.get(name, tuple(param.shape)).to(device=device, dtype=dtype)
+            weights[name] = files.get(key, tuple(param.shape)).to(device=device, dtype=dtype)
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights

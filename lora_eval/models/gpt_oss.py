@@ -1,0 +1,283 @@
+"""GPT-OSS: one decoder family with attention sinks, alternating sliding-window attention and biased MoE layers.
+
+Attention: GQA with q/k/v/o biases, YaRN rope, and a learned per-head logit ("sink") in every softmax
+denominator; layers marked "sliding_attention" in `layer_types` see only the last `sliding_window` positions.
+Every layer is an MoE: a biased router (top-k on the logits, then softmax over the k) over biased experts with
+the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)`.
+
+On disk (transformers' layout) the experts are fused, transposed, with gate/up interleaved:
+  mlp.experts.gate_up_proj [E, H, 2I] (x @ W; gate = [..., ::2], up = [..., 1::2]), gate_up_proj_bias [E, 2I],
+  mlp.experts.down_proj [E, I, H], down_proj_bias [E, H].
+In memory they take the engine's usual layout (FusedExperts: gate_up [E, 2I, H] gate rows then up rows, down
+[E, H, I]): `load_weights` de-interleaves and transposes them once, the one place where the on-disk layout differs
+from our modules. Module paths equal the Hugging Face ones, so adapter keys address our modules directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import InputError, UnsupportedError
+from .layers import (Embedding, FusedExperts, Linear, RMSNorm, deinterleave_gate_up, rope_cos_sin,
+                     yarn_rope)
+from .layers import rope_inv_freq as default_rope_inv_freq
+
+MODEL_TYPES = ("gpt_oss",)
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# transformers' GptOssConfig defaults when config.json has no rope settings
+DEFAULT_ROPE_THETA = 150000.0
+DEFAULT_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096)
+
+# expert tensor (same key on disk and in memory) -> (transposed on disk, gate/up interleaved on disk)
+CHECKPOINT_EXPERT_KEYS = {
+    "gate_up_proj": (True, True),  # disk [E, H, 2I] -> ours [E, 2I, H]
+    "gate_up_proj_bias": (False, True),  # [E, 2I]
+    "down_proj": (True, False),  # disk [E, I, H] -> ours [E, H, I]
+    "down_proj_bias": (False, False),  # [E, H]
+}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # per expert
+    num_experts: int
+    top_k: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the yarn parameters
+    rope_scale: float = 1.0  # the rope's attention factor, multiplied into cos and sin
+    where: str = "config.json"
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers))  # every layer is an MoE
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        return self.intermediate_size
+
+    @classmethod
+    def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
+        read = _reader(config, where)
+        if config.get("quantization_config"):
+            quant = config["quantization_config"]
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise UnsupportedError(where, f"quantized checkpoints ({method}) are not supported; use a dequantized "
+                                   "(bf16 or fp32) copy", key="quantization_config")
+        heads = read("num_attention_heads", int, minimum=1)
+        hidden = read("hidden_size", int, minimum=1)
+        layers = read("num_hidden_layers", int, minimum=1)
+        num_experts = read("num_local_experts", int, "num_experts", minimum=1)
+        top_k = read("num_experts_per_tok", int, "experts_per_token", minimum=1)
+        if top_k > num_experts:
+            raise InputError(where, f"{top_k} is more than num_local_experts ({num_experts})", key="num_experts_per_tok")
+        layer_types = config.get("layer_types")
+        if layer_types is None:  # transformers' default: sliding on even layers
+            layer_types = [LAYER_TYPES[i % 2] for i in range(layers)]
+        if not isinstance(layer_types, list) or len(layer_types) != layers or \
+                not all(t in LAYER_TYPES for t in layer_types):
+            raise InputError(where, f"expected a list of {layers} entries from {', '.join(LAYER_TYPES)}, found "
+                             f"{layer_types!r}", key="layer_types")
+        window = None
+        if "sliding_attention" in layer_types:
+            window = read("sliding_window", int, default=128, minimum=1)
+        args = cls(
+            model_type=config["model_type"], vocab_size=read("vocab_size", int, minimum=1), hidden_size=hidden,
+            num_layers=layers, num_heads=heads,
+            num_kv_heads=read("num_key_value_heads", int, default=heads, minimum=1),
+            head_dim=read("head_dim", int, default=hidden // heads, minimum=1),
+            intermediate_size=read("intermediate_size", int, minimum=1), num_experts=num_experts, top_k=top_k,
+            rms_norm_eps=read("rms_norm_eps", float, default=1e-5), layer_types=tuple(layer_types),
+            sliding_window=window, swiglu_alpha=read("swiglu_alpha", float, default=1.702),
+            swiglu_limit=read("swiglu_limit", float, default=7.0, minimum=0),
+            attention_bias=bool(config.get("attention_bias", True)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), where=where,
+        )
+        if heads % args.num_kv_heads:
+            raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
+                             key="num_key_value_heads")
+        args.rope, args.rope_scale = _rope(config, args.head_dim, where)
+        return args
+
+
+def _reader(config: dict, where: str):
+    def read(key, kind, *alts, default=None, minimum=None):
+        """config[key] (or an alternative name) as `kind`, or an InputError naming the key."""
+        for k in (key, *alts):
+            if config.get(k) is not None:
+                key, value = k, config[k]
+                break
+        else:
+            if default is None:
+                raise InputError(where, "missing required field for model_type 'gpt_oss'", key=key)
+            return default
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number and (kind is not int or float(value) == int(value))
+        if not ok or (minimum is not None and value < minimum):
+            raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
+                             f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
+        return kind(value)
+
+    return read
+
+
+def _rope(config: dict, head_dim: int, where: str) -> tuple[dict, float]:
+    """(rope settings: rope_parameters, or the legacy rope_scaling, or transformers' default yarn, with rope_theta
+    and max_position_embeddings folded in and `key` naming their place in config.json; the attention factor)."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = dict(config.get(key) or DEFAULT_ROPE)
+    rope.setdefault("rope_theta", config.get("rope_theta") or DEFAULT_ROPE_THETA)
+    rope.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
+    rope.update(rope_type=rope.get("rope_type", rope.get("type", "default")), key=key)
+    return rope, yarn_rope(head_dim, rope, where, key)[1] if rope["rope_type"] == "yarn" else 1.0
+
+
+def rope_inv_freq(head_dim: int, rope: dict, where: str = "config.json") -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim/2] for ModelArgs.rope: yarn, or the shared default/linear/llama3."""
+    if rope["rope_type"] == "yarn":
+        return yarn_rope(head_dim, rope, where, rope["key"])[0]
+    return default_rope_inv_freq(head_dim, {rope["key"]: rope}, where)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        prefix = f"model.layers.{index}.self_attn"
+        H, D, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, D
+        self.q_proj = Linear(f"{prefix}.q_proj", H, args.num_heads * D, bias)
+        self.k_proj = Linear(f"{prefix}.k_proj", H, args.num_kv_heads * D, bias)
+        self.v_proj = Linear(f"{prefix}.v_proj", H, args.num_kv_heads * D, bias)
+        self.o_proj = Linear(f"{prefix}.o_proj", args.num_heads * D, H, bias)
+        self.sinks = nn.Parameter(torch.empty(args.num_heads), requires_grad=False)  # [nh] logit per head
+        self.window = args.sliding_window if args.layer_types[index] == "sliding_attention" else None
+
+    def forward(self, x, cos, sin, fwd):
+        B, L, _ = cos.shape
+        T = x.shape[0]
+        q = self.q_proj(x, fwd).view(B, L, self.num_heads, self.head_dim)  # [B, L, nh, D]
+        k = self.k_proj(x, fwd).view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
+        v = self.v_proj(x, fwd).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
+        q, k = fwd.rope(q, cos, sin), fwd.rope(k, cos, sin)  # [B, nh, L, D], [B, nkv, L, D]
+        out = fwd.attention(q, k, v, self.head_dim**-0.5, sinks=self.sinks, window=self.window)  # [B, nh, L, D]
+        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]
+        return self.o_proj(out, fwd)  # [T, H]
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__()
+        self.top_k = args.top_k
+        self.router = Linear(f"{prefix}.router", args.hidden_size, args.num_experts, bias=True)
+        self.experts = FusedExperts(f"{prefix}.experts", args.num_experts, args.hidden_size, args.intermediate_size,
+                                    bias=True, activation="clamped_swiglu", swiglu_alpha=args.swiglu_alpha,
+                                    swiglu_limit=args.swiglu_limit, interleaved_gate_up=True)
+
+    def forward(self, x, fwd):
+        logits = self.router(x, fwd)  # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k], [T, k]
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)  # [T, k] over the chosen k only
+        return fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, index)
+        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", args.hidden_size,
+                                                args.rms_norm_eps)
+        self.mlp = MoE(args, f"{prefix}.mlp")
+
+    def forward(self, h, cos, sin, fwd):
+        h = h + self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd)  # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h, fwd), fwd)  # [T, H]
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = Embedding("model.embed_tokens", args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm("model.norm", args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """input_ids [B, L] (rows right-padded; `fwd` knows their lengths) -> final hidden states [B*L, H]
+    (padding rows are garbage); `logits` applies lm_head to some of them."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
+        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope, args.where), persistent=False)  # [D/2]
+
+    def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
+        B, L = input_ids.shape
+        positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
+        h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, self.args.rope_scale)  # [B, L, D]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, fwd)  # [T, H]
+        return self.model.norm(h, fwd)  # [T, H]
+
+    def logits(self, h: torch.Tensor, fwd) -> torch.Tensor:
+        return self.lm_head(h, fwd)  # [N, V]
+
+
+def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` read from checkpoint `files` in `dtype`, one tensor in memory at a time; expert
+    tensors brought from transformers' layout into ours (CHECKPOINT_EXPERT_KEYS). On the meta device only the keys
+    and shapes are checked and nothing is read."""
+    args = model.args
+    weights = {}
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and name not in files and args.tie_word_embeddings:
+            continue  # tied below
+        kind = name.rsplit(".", 1)[-1]
+        shape = tuple(param.shape)
+        if ".mlp.experts." in name and kind in CHECKPOINT_EXPERT_KEYS:
+            transposed, _ = CHECKPOINT_EXPERT_KEYS[kind]
+            disk_shape = (shape[0], shape[2], shape[1]) if transposed else shape  # [E, in, out] on disk
+            if device.type == "meta":
+                files.check(name, disk_shape)
+                weights[name] = torch.empty(shape, dtype=dtype, device=device)
+            else:
+                weights[name] = to_our_layout(kind, files.get(name, disk_shape)).to(device=device, dtype=dtype)
+        elif device.type == "meta":
+            files.check(name, shape)
+            weights[name] = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            weights[name] = files.get(name, shape).to(device=device, dtype=dtype)
+    if "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def to_our_layout(kind: str, t: torch.Tensor) -> torch.Tensor:
+    """One on-disk expert tensor in our layout: [E, in, out] -> [E, out, in], interleaved gate/up -> gate, then up."""
+    transposed, interleaved = CHECKPOINT_EXPERT_KEYS[kind]
+    if transposed:
+        t = t.transpose(1, 2)  # [E, out, in]
+    if interleaved:
+        t = deinterleave_gate_up(t, dim=1)  # [E, 2I, ...]
+    return t.contiguous()
+
