@@ -3,6 +3,8 @@
 from .compare import CompareResult, compare
 from .engine import Batch, Engine
 from .errors import InputError, UnsupportedError
+from .mmlu import MmluResult, mmlu
 
-__all__ = ["Batch", "CompareResult", "Engine", "InputError", "UnsupportedError", "compare"]
+__all__ = ["Batch", "CompareResult", "Engine", "InputError", "MmluResult", "UnsupportedError", "compare",
+           "mmlu"]
 __version__ = "0.1.0"

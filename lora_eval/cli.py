@@ -22,6 +22,13 @@ def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
     return named
 
 
+# the row order of fused 3D gate_up LoRA B, where the adapter files do not fix it (lora_eval/adapters/load.py)
+GATE_UP_LAYOUT = click.option(
+    "--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
+    help="Row order of a fused 3D gate_up LoRA: gate/up alternating, or all gate rows then all up rows "
+         "(needed for such adapters on GPT-OSS; PEFT target_parameters adapters are detected).")
+
+
 class Main(click.Group):
     """Turns InputError into one line on stderr and exit code 2."""
 
@@ -42,13 +49,14 @@ def cli():
 @cli.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder.")
 @click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
-def inspect(model_dir, adapters):
+@GATE_UP_LAYOUT
+def inspect(model_dir, adapters, gate_up_layout):
     """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts."""
     import pandas as pd
 
     from .inspection import inspect_adapters
 
-    summary, table = inspect_adapters(model_dir, parse_named_paths(adapters, "--adapter"))
+    summary, table = inspect_adapters(model_dir, parse_named_paths(adapters, "--adapter"), gate_up_layout)
     moe = f", {summary['experts']} experts top-{summary['top_k']} in {summary['sparse_layers']} layers" \
         if summary["experts"] else ""
     click.echo(f"model: {summary['model_type']}, {summary['layers']} layers, hidden {summary['hidden']}{moe}, "
@@ -82,13 +90,14 @@ DTYPE = click.Choice(["float32", "bfloat16", "float16"])
 @click.option("--out", required=True, type=click.Path(), help="Reference dump to write (.parquet).")
 @click.option("--dtype", default="float32", type=DTYPE, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
+@GATE_UP_LAYOUT
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def dump_reference_cmd(model_dir, adapters, prompts, out, dtype, device, quiet):
+def dump_reference_cmd(model_dir, adapters, prompts, out, dtype, device, gate_up_layout, quiet):
     """Trainer-side reference logprobs from transformers + PEFT, in the native Parquet format."""
     from .trainer import dump_reference
 
     frame = dump_reference(model_dir, parse_named_paths(adapters, "--adapter"), prompts, out, dtype=dtype,
-                           device=device, quiet=quiet)
+                           device=device, quiet=quiet, gate_up_layout=gate_up_layout)
     click.echo(f"wrote {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs) to {out}")
 
 
@@ -104,15 +113,63 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, dtype, device, quiet):
               help="Padded tokens per forward batch.")
 @click.option("--max-k2", default=5e-3, type=float, show_default=True, help="Fail when k2 exceeds this.")
 @click.option("--max-mean-abs-diff", default=None, type=float, help="Fail when mean |d| exceeds this.")
+@click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write JUnit XML here: one testcase per adapter x threshold.")
+@GATE_UP_LAYOUT
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def compare_cmd(model_dir, adapters, references, out, device, dtype, batch_tokens, max_k2, max_mean_abs_diff, quiet):
+def compare_cmd(model_dir, adapters, references, out, device, dtype, batch_tokens, max_k2, max_mean_abs_diff,
+                junit_path, gate_up_layout, quiet):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed."""
     from .compare import compare
 
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                      device=device, dtype=dtype, batch_tokens=batch_tokens, max_k2=max_k2,
-                     max_mean_abs_diff=max_mean_abs_diff, quiet=quiet)
+                     max_mean_abs_diff=max_mean_abs_diff, quiet=quiet, gate_up_layout=gate_up_layout)
+    if junit_path:
+        from .junit import compare_junit, write_junit
+
+        write_junit(compare_junit(result.summary, result.run), junit_path)
     _finish(result, out)
+
+
+@cli.command(name="mmlu")
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder "
+              "(with its tokenizer).")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
+@click.option("--data", required=True, type=click.Path(), help="MMLU folder: dev/ val/ test/ CSVs (the original "
+              "release), cais/mmlu parquet files, or a folder saved by datasets.")
+@click.option("--out", required=True, type=click.Path(), help="Run folder for the tables and reports.")
+@click.option("--split", default="test", type=click.Choice(["test", "val"]), show_default=True)
+@click.option("--shots", default=5, type=click.IntRange(min=0), show_default=True, help="Dev examples per prompt.")
+@click.option("--subjects", default=None, metavar="A,B,...", help="Only these subjects (default: all).")
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="Only the first N questions per subject.")
+@click.option("--max-drop", default=None, type=click.FloatRange(min=0), metavar="POINTS",
+              help="Exit 1 when an adapter's micro accuracy is more than this many percentage points below base.")
+@click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]), show_default=True)
+@click.option("--dtype", default="float32", type=DTYPE, show_default=True)
+@click.option("--batch-tokens", default=16384, type=click.IntRange(min=1), show_default=True,
+              help="Padded tokens per forward batch.")
+@click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
+              help="Also write JUnit XML here: one testcase per adapter for --max-drop.")
+@GATE_UP_LAYOUT
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, device, dtype, batch_tokens,
+             junit_path, gate_up_layout, quiet):
+    """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
+    from .mmlu import mmlu, summary_text, verdict
+
+    result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
+                  subjects=subjects, limit=limit, max_drop=max_drop, device=device, dtype=dtype,
+                  batch_tokens=batch_tokens, quiet=quiet, gate_up_layout=gate_up_layout)
+    if junit_path:
+        from .junit import mmlu_junit, write_junit
+
+        write_junit(mmlu_junit(result.summary, result.run), junit_path)
+    click.echo(summary_text(result))
+    click.echo(f"\nreport: {out}/report.html (markdown: {out}/mmlu.md)")
+    if not result.passed:
+        click.echo(verdict(result, max_drop), err=True)
+        sys.exit(1)
 
 
 @cli.command()
@@ -127,11 +184,79 @@ def demo(out, quiet):
     _finish(result, f"{out}/report")
 
 
+@cli.command()
+@click.argument("run_dir", type=click.Path())
+@click.option("--format", "fmt", default="html", type=click.Choice(["html", "md"]), show_default=True)
+@click.option("--out", "out_path", default="-", type=click.Path(dir_okay=False, allow_dash=True),
+              help="File to write; default: standard output.")
+def report(run_dir, fmt, out_path):
+    """Re-render a run folder's report (compare or mmlu) from its saved files, without recomputing."""
+    from pathlib import Path
+
+    from .html_report import render
+
+    data = render(run_dir, fmt).encode("utf-8")
+    if out_path == "-":
+        click.echo(data, nl=False)  # bytes go to the binary stdout unchanged
+    else:
+        Path(out_path).write_bytes(data)
+
+
+@cli.command(name="bench")
+@click.option("--config", "config_path", required=True, type=click.Path(),
+              help="A published config.json (e.g. benchmarks/configs/Qwen3-30B-A3B.json); weights are random.")
+@click.option("--layers", default=None, type=click.IntRange(min=1), help="Keep only the first N decoder layers.")
+@click.option("--adapters", default=4, type=click.IntRange(min=1), show_default=True)
+@click.option("--rank", default=16, type=click.IntRange(min=1), show_default=True)
+@click.option("--targets", default="all", type=click.Choice(["all", "attn", "experts"]), show_default=True,
+              help="all: PEFT all-linear (attention, router, experts); attn: q/k/v/o; experts: experts and router.")
+@click.option("--batch", "batches", multiple=True, default=("4x1024",), show_default=True, metavar="ROWSxTOKENS",
+              help="Batch shape (repeatable: one model build serves every shape).")
+@click.option("--dtype", default="bfloat16", type=DTYPE, show_default=True)
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--repeat", default=5, type=click.IntRange(min=1), show_default=True, help="Timed calls (median).")
+@click.option("--warmup", default=2, type=click.IntRange(min=0), show_default=True)
+@click.option("--skip-hf", is_flag=True, help="Time our engine only.")
+@click.option("--also-eager", is_flag=True, help="Also time our engine with CUDA graphs off (system ours-eager).")
+@click.option("--seed", default=0, type=int, show_default=True)
+@click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the table as CSV.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, device, repeat, warmup, skip_hf,
+              also_eager, seed, out_path, quiet):
+    """Our engine against transformers + PEFT on a random-weight model of a config's real shape."""
+    import pandas as pd
+    import torch
+
+    from .bench import bench
+
+    try:
+        frame = bench(config_path, layers=layers, adapters=adapters, rank=rank, targets=targets, batches=batches,
+                      dtype=dtype, device=device, repeat=repeat, warmup=warmup, skip_hf=skip_hf,
+                      also_eager=also_eager, seed=seed, quiet=quiet)
+    except torch.OutOfMemoryError as e:
+        click.echo(f"error: out of device memory building the model or adapters ({str(e).splitlines()[0][:120]}); "
+                   "try fewer --layers or --adapters", err=True)
+        sys.exit(1)
+    first = frame.iloc[0]
+    click.echo(f"{first['model']}: {first['layers']} layers, {adapters} adapters of rank {rank} ({targets}), "
+               f"{dtype} on {first['device_name']}; torch {first['torch']}, transformers {first['transformers']} "
+               f"(experts {first['hf_experts']}, attention {first['hf_attention']}), peft {first['peft']}")
+    shown = ["system", "batch", "case", "passes", "ms_per_batch", "tokens_per_s", "tflops", "peak_mem_gb",
+             "cost_vs_base", "vs_hf", "max_abs_diff", "status"]
+    with pd.option_context("display.width", 200, "display.max_rows", 200, "display.float_format", "{:.4g}".format):
+        click.echo(frame[shown].to_string(index=False))
+    for note in dict.fromkeys(n for n in frame["note"] if n):
+        click.echo(f"note: {note}")
+    if out_path:
+        frame.to_csv(out_path, index=False)
+        click.echo(f"wrote {out_path}")
+
+
 def _finish(result, out):
     from .report import summary_table
 
     click.echo(summary_table(result.summary))
-    click.echo(f"\nreport: {out}/report.md")
+    click.echo(f"\nreport: {out}/report.html (markdown: {out}/report.md)")
     if not result.passed:
         failed = [f"{r.adapter} ({r.failed})" for r in result.summary.itertuples() if not r.passed]
         click.echo("FAILED: " + "; ".join(failed), err=True)

@@ -19,6 +19,7 @@ import pandas as pd
 from .batching import make_batches, padding_waste
 from .engine import Batch, Engine
 from .errors import InputError
+from .html_report import load_tokenizer, worst_tokens
 from .metrics import check_thresholds, group_metrics
 from .progress import progress
 from .references import BASE, read_reference
@@ -34,6 +35,7 @@ class CompareResult:
     samples: pd.DataFrame  # one row per sample
     tokens: pd.DataFrame  # one row per predicted token
     run: dict = field(default_factory=dict)  # arguments, versions, timings, file hashes
+    worst: pd.DataFrame = field(default_factory=pd.DataFrame)  # worst tokens per adapter, decoded with context
 
     @property
     def passed(self) -> bool:
@@ -43,13 +45,16 @@ class CompareResult:
 def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             references: list | tuple = (), *, out: str | Path | None = None, device: str = "cpu",
             dtype: str = "float32", batch_tokens: int = 4096, max_k2: float | None = 5e-3,
-            max_mean_abs_diff: float | None = None, quiet: bool = False) -> CompareResult:
+            max_mean_abs_diff: float | None = None, quiet: bool = False,
+            gate_up_layout: str | None = None) -> CompareResult:
     """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write)
-    the summary, per-sample and per-token tables. `references` holds paths or (adapter name, path) pairs."""
+    the summary, per-sample and per-token tables. `references` holds paths or (adapter name, path) pairs.
+    `gate_up_layout`: the row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py)."""
     adapters = dict(adapters or {})
     arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                      references=[_ref_arg(r) for r in references], device=device, dtype=dtype,
-                     batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff)
+                     batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
+                     gate_up_layout=gate_up_layout)
     for name in adapters:
         if name in (BASE, OVERALL):
             raise InputError("--adapter", f"'{name}' is reserved for reports; choose another adapter name")
@@ -60,7 +65,7 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     timings = {}
     t0 = time.perf_counter()
     refs = _read_references(references, adapters)
-    engine = Engine.load(model, adapters, dtype=dtype, device=device)
+    engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout)
     vocab = engine.model.args.vocab_size
     for row in refs.itertuples():
         bad = [t for t in row.input_ids if not 0 <= t < vocab]
@@ -90,12 +95,14 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     overall = group_metrics(tokens, []).assign(adapter=OVERALL)
     summary = check_thresholds(pd.concat([per_adapter, overall], ignore_index=True), max_k2, max_mean_abs_diff)
     summary = summary[SUMMARY_COLUMNS + [c for c in summary.columns if c not in SUMMARY_COLUMNS]]
+    tokenizer = load_tokenizer(model)
+    worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
     timings["metrics_s"] = time.perf_counter() - t0
     run = dict(arguments=arguments, versions=_versions(), timings=timings,
                batches=len(batches), padding_waste=padding_waste(lengths, batches),
                tokens_per_s=sum(lengths) / max(timings["forward_s"], 1e-9),
-               files=_hashes(model, adapters, references))
-    result = CompareResult(summary=summary, samples=samples, tokens=tokens, run=run)
+               files=_hashes(model, adapters, references), tokenizer=str(model) if tokenizer else None)
+    result = CompareResult(summary=summary, samples=samples, tokens=tokens, run=run, worst=worst)
     if out is not None:
         write_outputs(result, Path(out))
     return result
@@ -178,12 +185,16 @@ def _hashes(model, adapters: dict, references) -> dict:
 
 
 def write_outputs(result: CompareResult, out: Path) -> None:
-    """summary.csv, samples.csv, tokens.parquet, report.md and run.json under `out`."""
+    """summary.csv, samples.csv, tokens.parquet, worst_tokens.parquet, report.md, report.html and run.json
+    under `out`."""
+    from .html_report import compare_html
     from .report import markdown_report
 
     out.mkdir(parents=True, exist_ok=True)
     result.summary.to_csv(out / "summary.csv", index=False)
     result.samples.to_csv(out / "samples.csv", index=False)
     result.tokens.to_parquet(out / "tokens.parquet", index=False)
-    (out / "report.md").write_text(markdown_report(result))
+    result.worst.to_parquet(out / "worst_tokens.parquet", index=False)
+    (out / "report.md").write_text(markdown_report(result), encoding="utf-8")
+    (out / "report.html").write_text(compare_html(result), encoding="utf-8")
     (out / "run.json").write_text(json.dumps(result.run, indent=2, default=str) + "\n")

@@ -48,10 +48,27 @@ def markdown_report(result) -> str:
                   ""]
     worst = result.samples.sort_values("k2", ascending=False).head(10)
     lines += ["## Worst samples by k2", "",
-              markdown_table(worst[["adapter", "sample_id", "n_tokens", "mean_abs_diff", "max_abs_diff", "k2"]]), "",
-              "## Run", "",
+              markdown_table(worst[["adapter", "sample_id", "n_tokens", "mean_abs_diff", "max_abs_diff", "k2"]]), ""]
+    lines += _worst_tokens_section(getattr(result, "worst", None), run)
+    lines += ["## Run", "",
               f"{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
               f"{run.get('tokens_per_s', 0):,.0f} tokens/s; timings " +
               ", ".join(f"{k} {v:.2f}" for k, v in run.get("timings", {}).items()), "",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items()), ""]
     return "\n".join(lines)
+
+
+def _worst_tokens_section(worst, run: dict) -> list[str]:
+    """Worst tokens by |d|: context, then the predicted token in brackets (newlines shown as a symbol)."""
+    if worst is None or not len(worst):
+        return []
+    from .html_report import shown_text
+
+    source = f"decoded with the tokenizer in `{run['tokenizer']}`" if run.get("tokenizer") else \
+        "token ids in brackets (no tokenizer in the model folder)"
+    shown = worst[["adapter", "sample_id", "position", "token_id"]].assign(
+        text=[(shown_text(c) + "\u27e6" + shown_text(t) + "\u27e7").replace("|", "\\|")
+              for c, t in zip(worst["context"], worst["token"])],
+        ref=worst["ref"], engine=worst["engine"], d=worst["d"])
+    return ["## Worst tokens by |d|", "", f"Context, then the predicted token in \u27e6brackets\u27e7; {source}.", "",
+            markdown_table(shown), ""]

@@ -1,0 +1,578 @@
+"""Reports people read, JUnit for CI, the golden regression, and the example notebook.
+
+1. the regression run exactly as CI runs it (`python -m lora_eval.golden check`): the demo model and adapters
+   rebuilt on the spot against the committed golden dump, tight thresholds, exit 0, JUnit all green;
+2. the committed golden dump equals what the regenerate command produces now;
+3. report.html: every embedded image decodes as a PNG; the summary cells carry summary.csv's exact numbers;
+   report.md shows the same numbers as summary.csv;
+4. `lora-eval report` re-renders html and md byte for byte from the saved files; PNGs are deterministic;
+5. JUnit: structure and counts, and a failing adapter (a known shift) as failed testcases with its numbers;
+6. worst tokens: the right tokens, token text and context on hand-made data;
+7. MMLU: HTML, JUnit and re-rendering of a small synthetic run written by lora_eval.mmlu;
+8. the example notebook executes (nbclient);
+9. .ci/run and the workflow run the same regression command.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import io
+import json
+import re
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from lora_eval import golden, plots
+from lora_eval.cli import cli
+from lora_eval.compare import write_outputs
+from lora_eval.html_report import read_compare_run, render, worst_tokens
+from lora_eval.junit import compare_junit, mmlu_junit
+from lora_eval.references import read_reference, write_reference
+from tests.cli_checks import assert_input_error, assert_no_traceback
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCES = ROOT / "references"
+ADAPTERS = ("peft-all-linear", "tinker-shared-outer")
+ROWS = ("base", *ADAPTERS, "overall")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+
+
+class Page(HTMLParser):
+    """The parts of report.html the tests look at: images, headings, and tables as rows of cells."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.images, self.h1, self.tables = [], [], []
+        self._cell = self._row = None
+        self._in_h1 = False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img":
+            self.images.append(attrs)
+        elif tag == "h1":
+            self._in_h1 = True
+            self.h1.append([attrs.get("class"), ""])
+        elif tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self._row = dict(cls=attrs.get("class"), cells=[])
+            self.tables[-1].append(self._row)
+        elif tag in ("td", "th"):
+            self._cell = dict(tag=tag, text="", **attrs)
+            self._row["cells"].append(self._cell)
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self._cell = None
+        elif tag == "h1":
+            self._in_h1 = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell["text"] += data
+        if self._in_h1:
+            self.h1[-1][1] += data
+
+
+def table_frame(table: list[dict]) -> tuple[pd.DataFrame, list]:
+    """A parsed HTML table as a DataFrame of cell dicts (columns from the header), and each row's class."""
+    header = [c["text"] for c in table[0]["cells"]]
+    return pd.DataFrame([r["cells"] for r in table[1:]], columns=header), [r["cls"] for r in table[1:]]
+
+
+def markdown_section_table(text: str, heading: str) -> pd.DataFrame:
+    """The first Markdown table after `## heading`, as strings."""
+    lines = text.split(f"## {heading}\n", 1)[1].splitlines()
+    rows = [line for line in lines[lines.index(next(x for x in lines if x.startswith("|"))):]]
+    rows = rows[:next((i for i, line in enumerate(rows) if not line.startswith("|")), len(rows))]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+    return pd.DataFrame(cells[2:], columns=cells[0])
+
+
+def read_summary(path: Path) -> pd.DataFrame:
+    frame = pd.read_csv(path, dtype={"failed": str, "adapter": str})
+    return frame.assign(failed=frame["failed"].fillna(""))
+
+
+def decode_pngs(page: Page) -> list:
+    from PIL import Image
+
+    images = []
+    for img in page.images:
+        prefix = "data:image/png;base64,"
+        assert img["src"].startswith(prefix), img["src"][:40]
+        data = base64.b64decode(img["src"][len(prefix):], validate=True)
+        assert data.startswith(PNG_SIGNATURE)
+        image = Image.open(io.BytesIO(data))
+        image.load()  # decodes every pixel; raises on a truncated or corrupt file
+        assert image.size[0] > 200 and image.size[1] > 100, image.size
+        assert img.get("alt"), img
+        images.append(image)
+    return images
+
+
+def png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, i = [], len(PNG_SIGNATURE)
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 4], "big")
+        chunks.append((data[i + 4:i + 8], data[i + 8:i + 8 + n]))
+        i += 12 + n
+    return chunks
+
+
+def parse_junit(text: str) -> tuple[ET.Element, list[dict]]:
+    """The XML root (validated for structure and consistent counts) and one dict per testcase."""
+    root = ET.fromstring(text)
+    assert root.tag == "testsuites"
+    suites = root.findall("testsuite")
+    assert len(suites) == 1
+    suite = suites[0]
+    cases = []
+    for case in suite.findall("testcase"):
+        assert set(case.attrib) >= {"classname", "name", "time"}
+        failures = case.findall("failure")
+        assert len(failures) <= 1
+        cases.append(dict(classname=case.get("classname"), name=case.get("name"),
+                          failure=failures[0] if failures else None,
+                          out=case.findtext("system-out")))
+    n_failed = sum(c["failure"] is not None for c in cases)
+    for element in (root, suite):
+        assert int(element.get("tests")) == len(cases)
+        assert int(element.get("failures")) == n_failed
+        assert int(element.get("errors")) == 0
+        assert float(element.get("time")) >= 0
+    assert len({(c["classname"], c["name"]) for c in cases}) == len(cases)  # no duplicate testcase
+    return root, cases
+
+
+# ---- fixtures --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def regression(tmp_path_factory):
+    """The regression exactly as .ci/run and the workflow run it."""
+    out = tmp_path_factory.mktemp("regression")
+    result = CliRunner().invoke(golden.golden, ["check", str(out), "--references", str(REFERENCES)])
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def shifted_run(regression, tmp_path_factory, session_seed):
+    """The golden dump with one adapter's logprobs moved by a known delta: that adapter must fail."""
+    out, _ = regression
+    rng = np.random.default_rng(session_seed + 701)
+    adapter = str(rng.choice(ADAPTERS))
+    delta = float(rng.choice([-1, 1]) * rng.uniform(0.15, 0.3))
+    frame = read_reference(REFERENCES / golden.GOLDEN)
+    frame["logprobs"] = [list(np.asarray(lp) + delta) if a == adapter else lp
+                         for lp, a in zip(frame["logprobs"], frame["adapter"])]
+    root = tmp_path_factory.mktemp("shifted")
+    path = write_reference(frame, root / "shifted.parquet")
+    inputs = out / "inputs"
+    args = ["compare", "--model", inputs / "model", "--reference", path, "--out", root / "run",
+            "--junit", root / "junit.xml", "--max-mean-abs-diff", "0.05", "--quiet"]
+    for name in ADAPTERS:
+        args += ["--adapter", f"{name}={inputs / 'adapters' / name}"]
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return root, result, adapter, delta
+
+
+# ---- 1. the regression against the golden dump ----------------------------------------------------------
+
+
+def test_regression_passes_against_golden(regression):
+    out, result = regression
+    assert_no_traceback(result)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    assert result.stdout.startswith("lora-eval compare --model ")  # the command it ran, for the CI log
+    summary = read_summary(out / "run" / "summary.csv").set_index("adapter")
+    assert list(summary.index) == list(ROWS)
+    assert summary["passed"].all()
+    # float32 engine vs float32 transformers + PEFT: far below the thresholds
+    assert (summary["k2"] < golden.MAX_K2 / 1000).all(), summary["k2"]
+    assert (summary["mean_abs_diff"] < golden.MAX_MEAN_ABS_DIFF / 5).all(), summary["mean_abs_diff"]
+    assert summary.loc["overall", "n_tokens"] == summary.drop("overall")["n_tokens"].sum() > 300
+    # the bf16 sampler's noise floor is orders of magnitude above the engine's mismatch
+    assert (summary["sampler_mean_abs_diff"] > 1000 * summary["mean_abs_diff"]).all()
+    run = json.loads((out / "run" / "run.json").read_text())
+    assert run["arguments"]["max_k2"] == golden.MAX_K2
+    assert run["arguments"]["max_mean_abs_diff"] == golden.MAX_MEAN_ABS_DIFF
+    assert run["tokenizer"] == str(out / "inputs" / "model")
+
+    _, cases = parse_junit((out / "junit.xml").read_text())
+    assert len(cases) == len(ROWS) * 2
+    assert all(c["failure"] is None for c in cases)
+    assert {(c["classname"], c["name"]) for c in cases} == {
+        (f"lora-eval.compare.{row}", f"{metric} <= {limit:g}") for row in ROWS
+        for metric, limit in (("k2", golden.MAX_K2), ("mean_abs_diff", golden.MAX_MEAN_ABS_DIFF))}
+
+
+def test_golden_matches_regeneration(regression, tmp_path):
+    """The committed dump equals what `python -m lora_eval.golden write` produces now: the same seeded
+    build_inputs (here the regression's, to save a rebuild), dumped in float32 and bf16 again."""
+    inputs = regression[0] / "inputs"
+    committed = read_reference(REFERENCES / golden.GOLDEN)
+    fresh = golden.golden_frame(tmp_path, (inputs / "model", {a: inputs / "adapters" / a for a in ADAPTERS}))
+    exact = ["sample_id", "adapter", "input_ids", "mask"]
+    pd.testing.assert_frame_equal(committed[exact], fresh[exact])
+    assert committed["sampler_logprobs"].notna().all()
+
+    def flat(frame, column):
+        return np.concatenate([np.asarray(v, dtype=np.float64) for v in frame[column]])
+
+    # the float32 trainer logprobs, which the regression checks against: within 1e-6 (bitwise here)
+    diff = np.abs(flat(committed, "logprobs") - flat(fresh, "logprobs"))
+    print(f"logprobs: max |committed - regenerated| = {diff.max():.3g}")
+    assert len(diff) > 300 and diff.max() <= 1e-6
+    # the bf16 sampler column only draws the noise floor; bf16 kernels may round differently on another CPU,
+    # so it must describe the same noise floor (mean |ref - sampler| within 10%), bitwise on the same platform
+    sampler_diff = np.abs(flat(committed, "sampler_logprobs") - flat(fresh, "sampler_logprobs"))
+    print(f"sampler_logprobs: max |committed - regenerated| = {sampler_diff.max():.3g}")
+    floors = [np.mean(np.abs(flat(f, "logprobs") - flat(f, "sampler_logprobs"))) for f in (committed, fresh)]
+    assert floors[0] > 1e-3 and floors[1] == pytest.approx(floors[0], rel=0.1), floors
+    size = (REFERENCES / golden.GOLDEN).stat().st_size
+    assert 1_000 < size < 200_000, size
+
+
+def test_golden_check_refuses_missing_dump(tmp_path):
+    result = CliRunner().invoke(golden.golden, ["check", str(tmp_path / "out"), "--references", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "golden dump not found" in result.stderr and golden.GOLDEN in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- 3. report.html and report.md against summary.csv ----------------------------------------------------
+
+
+def test_html_images_decode_and_summary_numbers_are_exact(regression):
+    out, _ = regression
+    run = out / "run"
+    text = (run / "report.html").read_text(encoding="utf-8")
+    assert "<script" not in text and "http://" not in text and "https://" not in text  # self-contained
+    page = Page(text)
+    images = decode_pngs(page)
+    assert len(images) == 4  # noise floor, |d| histogram, d by position, k2 per sample
+    assert page.h1 == [["pass", "lora-eval compare: PASSED"]]
+
+    summary = read_summary(run / "summary.csv")
+    shown, classes = table_frame(page.tables[0])
+    assert list(shown["adapter"].map(lambda c: c["text"])) == list(summary["adapter"])
+    assert classes == [None] * len(summary)
+    for column in ("mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error"):
+        for cell, value in zip(shown[column], summary[column]):
+            assert float(cell["title"]) == value, (column, cell, value)  # the full-precision number
+            assert cell["text"] == f"{value:.4g}"
+    for column in ("n_samples", "n_tokens"):
+        assert [int(c["text"]) for c in shown[column]] == list(summary[column])
+    assert [c["text"] for c in shown["passed"]] == ["PASS"] * len(summary)
+
+    floor, _ = table_frame(page.tables[1])  # engine beside the sampler
+    for column in ("sampler_mean_abs_diff", "sampler_k2", "sampler_max_abs_diff"):
+        assert [float(c["title"]) for c in floor[column]] == list(summary[column])
+
+    worst, _ = table_frame(page.tables[2])
+    saved = pd.read_parquet(run / "worst_tokens.parquet")
+    assert len(worst) == len(saved) == 5 * 3
+    assert [float(c["title"]) for c in worst["d"]] == list(saved["d"])
+
+
+def test_markdown_holds_the_summary_csv_numbers(regression):
+    out, _ = regression
+    text = (out / "run" / "report.md").read_text(encoding="utf-8")
+    summary = read_summary(out / "run" / "summary.csv")
+    table = markdown_section_table(text, "Summary")
+    assert list(table["adapter"]) == list(summary["adapter"])
+    for column in ("mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error"):
+        for cell, value in zip(table[column], summary[column]):
+            assert float(cell) == float(f"{value:.4g}"), (column, cell, value)
+            assert abs(float(cell) - value) <= 5e-4 * abs(value), (column, cell, value)
+    for column in ("n_samples", "n_tokens"):
+        assert [int(c) for c in table[column]] == list(summary[column])
+    assert list(table["passed"]) == ["PASS" if p else "FAIL" for p in summary["passed"]]
+    floor = markdown_section_table(text, "Sampler noise floor (reference - sampler)")
+    for column in ("sampler_mean_abs_diff", "sampler_k2", "sampler_max_abs_diff"):
+        assert [float(c) for c in floor[column]] == [float(f"{v:.4g}") for v in summary[column]]
+    worst = markdown_section_table(text, "Worst tokens by |d|")
+    assert len(worst) == 15 and set(worst["adapter"]) == set(ROWS) - {"overall"}
+
+
+# ---- 4. re-rendering -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,name", [("html", "report.html"), ("md", "report.md")])
+def test_report_command_equals_the_original(regression, shifted_run, tmp_path, fmt, name):
+    for run in (regression[0] / "run", shifted_run[0] / "run"):  # passing and failing
+        original = (run / name).read_bytes()
+        result = CliRunner().invoke(cli, ["report", str(run), "--format", fmt])
+        assert result.exit_code == 0, (result.stderr, result.exception)
+        assert result.stdout_bytes == original
+    target = tmp_path / f"again.{fmt}"
+    result = CliRunner().invoke(cli, ["report", str(run), "--format", fmt, "--out", str(target)])
+    assert result.exit_code == 0 and result.stdout == "" and target.read_bytes() == original
+
+
+def test_saved_tables_read_back_exactly(regression, tmp_path):
+    """Sample ids that CSV readers like to reinterpret ('NA', '001', '1.0', quotes) survive the round trip."""
+    result = read_compare_run(regression[0] / "run")
+    odd = {"base-0": "NA", "base-1": "001", "base-2": "null", "base-3": ' spaced, "quoted"', "base-4": "1.0"}
+    for frame in (result.samples, result.tokens, result.worst):
+        frame["sample_id"] = frame["sample_id"].replace(odd)
+    write_outputs(result, tmp_path / "odd")
+    again = read_compare_run(tmp_path / "odd")
+    for name in ("summary", "samples", "tokens", "worst"):
+        pd.testing.assert_frame_equal(getattr(again, name), getattr(result, name), check_exact=True, obj=name)
+    assert set(odd.values()) <= set(again.samples["sample_id"])
+    assert again.summary["failed"].tolist() == [""] * len(ROWS)
+    assert render(tmp_path / "odd", "md") == (tmp_path / "odd" / "report.md").read_text(encoding="utf-8")
+
+
+def test_report_command_bad_input(tmp_path):
+    assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path / "missing")]), "run folder not found")
+    (tmp_path / "summary.csv").write_text("adapter\nbase\n")
+    assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path)]), str(tmp_path), "not a run folder")
+    (tmp_path / "samples.csv").write_text("adapter,sample_id\nbase,a\n")
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "tokens.parquet").write_bytes(b"not parquet at all")
+    assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path)]), str(tmp_path / "tokens.parquet"),
+                       "not a readable Parquet file")
+
+
+def test_png_is_deterministic_and_carries_no_metadata(seed):
+    rng = np.random.default_rng(seed)
+    n = 400
+    tokens = pd.DataFrame(dict(adapter=rng.choice(["base", "a", "b"], n), sample_id=rng.choice(list("pqrs"), n),
+                               position=rng.integers(0, 30, n), d=rng.normal(0, 1e-3, n), mask=rng.random(n) < 0.8))
+    first = plots.png(plots.abs_diff_histogram(tokens))
+    assert plots.png(plots.abs_diff_histogram(tokens)) == first
+    kinds = [kind for kind, _ in png_chunks(first)]
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
+    assert b"tIME" not in kinds
+    text = b"".join(body for kind, body in png_chunks(first) if kind in (b"tEXt", b"iTXt", b"zTXt"))
+    assert b"Software" not in text and b"matplotlib" not in text.lower()
+    other = plots.png(plots.abs_diff_histogram(tokens.assign(d=tokens["d"] * 10)))
+    assert other != first  # different data, different picture
+
+
+# ---- 5. JUnit with a failing adapter ---------------------------------------------------------------------
+
+
+def test_junit_marks_the_failing_adapter_with_its_numbers(shifted_run):
+    root, result, adapter, delta = shifted_run
+    assert_no_traceback(result)
+    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+    summary = read_summary(root / "run" / "summary.csv").set_index("adapter")
+    k2 = summary.loc[adapter, "k2"]
+    assert k2 == pytest.approx(delta ** 2 / 2, rel=1e-3)
+
+    _, cases = parse_junit((root / "junit.xml").read_text(encoding="utf-8"))
+    assert len(cases) == len(ROWS) * 2
+    failed = {(c["classname"].rsplit(".", 1)[1], c["name"]) for c in cases if c["failure"] is not None}
+    expected = set()
+    for row in summary.itertuples():
+        if row.k2 > 5e-3:
+            expected.add((row.Index, "k2 <= 0.005"))
+        if row.mean_abs_diff > 0.05:
+            expected.add((row.Index, "mean_abs_diff <= 0.05"))
+    assert (adapter, "k2 <= 0.005") in expected and (adapter, "mean_abs_diff <= 0.05") in expected
+    assert failed == expected
+    assert {a for a, _ in failed} == set(summary.index[~summary["passed"]])  # agrees with summary.csv
+
+    case = next(c for c in cases if c["failure"] is not None and c["classname"].endswith(f".{adapter}")
+                and c["name"].startswith("k2"))
+    message = case["failure"].get("message")
+    assert message == f"{adapter}: k2 = {k2:.6g} > 0.005"
+    assert case["failure"].get("type") == "threshold"
+    numbers = dict(re.findall(r"(\w+) = ([-\d.e+]+)", case["failure"].text))
+    assert float(numbers["mean_abs_diff"]) == pytest.approx(abs(delta), rel=1e-3)
+    assert int(numbers["n_tokens"]) == summary.loc[adapter, "n_tokens"]
+
+    page = Page((root / "run" / "report.html").read_text(encoding="utf-8"))
+    assert page.h1[0][0] == "fail" and adapter in page.h1[0][1]
+    shown, classes = table_frame(page.tables[0])
+    marked = {cells["text"] for cells, cls in zip(shown["adapter"], classes) if cls == "fail"}
+    assert marked == set(summary.index[~summary["passed"]])
+    for cells, passed in zip(shown["passed"], summary["passed"]):
+        assert cells["text"] == ("PASS" if passed else "FAIL") and cells["class"] == cells["text"]
+    decode_pngs(page)
+
+
+def test_junit_without_thresholds_lists_every_row(regression):
+    summary = read_summary(regression[0] / "run" / "summary.csv")
+    run = dict(arguments=dict(max_k2=None, max_mean_abs_diff=None))
+    _, cases = parse_junit(compare_junit(summary, run))
+    assert [c["classname"] for c in cases] == [f"lora-eval.compare.{r}" for r in ROWS]
+    assert all(c["failure"] is None and "k2 = " in c["out"] for c in cases)
+
+
+# ---- 6. worst tokens -------------------------------------------------------------------------------------
+
+
+def test_worst_tokens_pick_the_largest_masked_diffs(seed):
+    rng = np.random.default_rng(seed)
+    input_ids = {f"s{i}": [int(t) for t in rng.integers(0, 500, int(rng.integers(3, 40)))] for i in range(12)}
+    adapters = {sid: str(rng.choice(["base", "x"])) for sid in input_ids}
+    rows = []
+    for sid, ids in input_ids.items():
+        for p in range(len(ids) - 1):
+            rows.append(dict(adapter=adapters[sid], sample_id=sid, position=p, token_id=ids[p + 1],
+                             ref=-1.0, engine=-1.0, d=float(rng.normal(0, 0.1)), mask=bool(rng.random() < 0.7),
+                             sampler=np.nan))
+    tokens = pd.DataFrame(rows)
+    tokens.loc[~tokens["mask"], "d"] = 100.0  # masked out: must never be listed
+    worst = worst_tokens(tokens, input_ids, tokenizer=None, per_adapter=4, context=5)
+    for adapter, group in tokens[tokens["mask"]].groupby("adapter"):
+        expected = group.assign(a=group["d"].abs()).sort_values("a", ascending=False).head(4)
+        got = worst[worst["adapter"] == adapter]
+        assert list(got["d"]) == list(expected["d"])
+        for row in got.itertuples():
+            ids = input_ids[row.sample_id]
+            assert row.token == f"[{ids[row.position + 1]}]" and row.token_id == ids[row.position + 1]
+            assert row.context == "".join(f"[{t}]" for t in ids[max(0, row.position - 4):row.position + 1])
+
+
+# ---- 7. MMLU ---------------------------------------------------------------------------------------------
+
+
+MMLU_SUBJECTS = ("abstract_algebra", "astronomy", "philosophy", "world_religions", "econometrics", "sociology",
+                 "nutrition", "marketing")
+
+
+def write_mmlu_run(out: Path, rng, max_drop: float = 5.0):
+    """A small synthetic MMLU run folder written by lora_eval.mmlu's own table and file functions: base, an
+    adapter close to base ('good') and one that turns a third of base's right answers wrong ('bad')."""
+    from lora_eval.mmlu import MmluResult, question_table, subject_table, summary_table, write_outputs
+
+    counts = rng.integers(12, 30, len(MMLU_SUBJECTS))
+    questions = pd.DataFrame(dict(subject=np.repeat(MMLU_SUBJECTS, counts),
+                                  question_index=np.concatenate([np.arange(n) for n in counts]),
+                                  answer=rng.choice(list("ABCD"), counts.sum())))
+    q = len(questions)
+    right = np.array(["ABCD".index(a) for a in questions["answer"]])
+    base = rng.normal(0, 1, (q, 4))
+    base[np.arange(q), right] += rng.choice([0.0, 3.0], q, p=[0.4, 0.6])  # base right on ~60%
+    good = base + rng.normal(0, 0.3, (q, 4))
+    bad = base.copy()
+    spoil = rng.random(q) < 0.35
+    bad[spoil, right[spoil]] -= 10.0  # never the prediction there
+    lp = np.stack([base, good, bad], axis=1) - 5  # [Q, models, 4]
+    table = question_table(questions, ["base", "good", "bad"], lp)
+    result = MmluResult(questions=table, subjects=subject_table(table), summary=summary_table(table, max_drop),
+                        run=dict(arguments=dict(model="tiny", split="test", shots=0, max_drop=max_drop, device="cpu",
+                                                dtype="float32"),
+                                 versions=dict(lora_eval="0.1.0"), timings=dict(forward_s=1.5), questions=q))
+    write_outputs(result, out)
+    return result
+
+
+def test_mmlu_html_junit_and_rerendering(tmp_path, seed):
+    from lora_eval.mmlu import display_table
+
+    rng = np.random.default_rng(seed)
+    result = write_mmlu_run(tmp_path / "mmlu", rng)
+    summary = result.summary
+    micro = summary[summary["group"] == "micro"].set_index("model")
+    assert micro.loc["bad", "delta"] < -0.05 and not micro.loc["bad", "passed"]
+    assert micro.loc["good", "passed"] and micro.loc["base", "passed"]
+
+    original = (tmp_path / "mmlu" / "report.html").read_bytes()
+    for fmt, name in (("html", "report.html"), ("md", "mmlu.md")):
+        got = CliRunner().invoke(cli, ["report", str(tmp_path / "mmlu"), "--format", fmt])
+        assert got.exit_code == 0, (got.stderr, got.exception)
+        assert got.stdout_bytes == (tmp_path / "mmlu" / name).read_bytes(), name
+    page = Page(original.decode("utf-8"))
+    assert len(decode_pngs(page)) == 2  # by group, per subject
+    assert page.h1[0][0] == "fail" and page.h1[0][1].startswith("lora-eval mmlu: FAILED: bad (")
+    shown, classes = table_frame(page.tables[0])
+    assert [c == "fail" for c in classes] == list(summary["model"] == "bad")
+    expected = display_table(summary)
+    assert [c["text"] for c in shown["accuracy %"]] == list(expected["accuracy %"])
+    assert [c["text"] for c in shown["delta (points)"]] == list(expected["delta (points)"])
+    changes, _ = table_frame(page.tables[1])
+    q = result.questions
+    for cells in changes.itertuples(index=False):
+        model = cells[0]["text"]
+        joined = q[q["model"] == model].merge(q[q["model"] == "base"], on=["subject", "question_index"])
+        assert int(cells[3]["text"]) == int((joined["correct_x"] & ~joined["correct_y"]).sum())  # fixed
+        assert int(cells[4]["text"]) == int((~joined["correct_x"] & joined["correct_y"]).sum())  # broken
+    assert [c[0]["text"] for c in changes.itertuples(index=False)] == ["good", "bad"]
+
+    _, cases = parse_junit(mmlu_junit(summary, result.run))
+    assert [(c["classname"], c["name"]) for c in cases] == [
+        (f"lora-eval.mmlu.{m}", "micro accuracy drop <= 5 points") for m in ("good", "bad")]
+    assert cases[0]["failure"] is None and cases[1]["failure"] is not None
+    message = cases[1]["failure"].get("message")
+    assert message.startswith(f"bad: micro accuracy {100 * micro.loc['bad', 'delta']:+.2f} points against base, "
+                              "limit -5")
+    assert f"accuracy {micro.loc['bad', 'accuracy']:.6g} vs base {micro.loc['base', 'accuracy']:.6g}" in message
+    assert all(f"{g}: accuracy" in cases[1]["failure"].text for g in ("micro", "macro", "STEM", "humanities"))
+    _, cases = parse_junit(mmlu_junit(summary, dict(arguments=dict(max_drop=None))))
+    assert [c["failure"] for c in cases] == [None, None]
+
+
+def test_mmlu_command_writes_junit(tmp_path, seed, monkeypatch):
+    """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.mmlu's, replaced here by
+    a synthetic result so no model runs)."""
+    module = importlib.import_module("lora_eval.mmlu")  # the module (lora_eval.mmlu is also a function's name)
+    result = write_mmlu_run(tmp_path / "run", np.random.default_rng(seed))
+    monkeypatch.setattr(module, "mmlu", lambda *args, **kwargs: result)
+    junit = tmp_path / "ci" / "mmlu.xml"
+    got = CliRunner().invoke(cli, ["mmlu", "--model", "m", "--data", "d", "--out", str(tmp_path / "run"),
+                                   "--max-drop", "5", "--junit", str(junit)])
+    assert got.exit_code == 1, (got.stdout, got.stderr, got.exception)
+    assert junit.read_text(encoding="utf-8") == mmlu_junit(result.summary, result.run)
+    assert "report.html" in got.stdout
+
+
+# ---- 8. the example notebook -----------------------------------------------------------------------------
+
+
+def test_example_notebook_executes(tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's demo folder goes under tmp_path
+    # one OpenMP thread in the kernel: on a busy 2-core machine, 2 spinning threads made the demo ~6x slower
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    notebook = nbformat.read(ROOT / "reports" / "example.ipynb", as_version=4)
+    nbclient.NotebookClient(notebook, timeout=180, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 3
+    for image in images:
+        assert base64.b64decode(image["data"]["image/png"]).startswith(PNG_SIGNATURE)
+    tables = [o for o in outputs if "text/html" in o.get("data", {})]
+    assert len(tables) >= 4
+    assert any("passed: True" in o.get("text", "") for o in outputs)
+    assert len(list(tmp_path.glob("lora-eval-demo-*/report/report.html"))) == 1
+
+
+# ---- 9. CI runs the same regression ----------------------------------------------------------------------
+
+
+def test_ci_and_workflow_run_the_same_regression():
+    import yaml
+
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "lora-regression.yml").read_text())
+    steps = workflow["jobs"]["regression"]["steps"]
+    commands = "\n".join(step.get("run", "") for step in steps)
+    assert commands.index("torch==2.13.0") < commands.index("pip install .") < commands.index(
+        "python -m lora_eval.golden check regression")
+    upload = next(step for step in steps if step.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "always()"
+    assert upload["with"]["path"].split() == ["regression/run/", "regression/junit.xml"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("python3 -m pytest -q") < ci.index("python3 -m lora_eval.golden check")
