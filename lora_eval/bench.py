@@ -62,6 +62,9 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
     """config.json of a published model, cut to its first `layers` decoder layers."""
     path = Path(path)
     config = read_json(path)
+    if not isinstance(config.get("model_type"), str):
+        raise InputError(path, f"expected the model's architecture name, found {config.get('model_type')!r}",
+                         key="model_type")
     total = config.get("num_hidden_layers")
     if not isinstance(total, int) or total < 1:
         raise InputError(path, f"expected a positive integer, found {total!r}", key="num_hidden_layers")

@@ -23,6 +23,27 @@ def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
 
 
 # the row order of fused 3D gate_up LoRA B, where the adapter files do not fix it (lora_eval/adapters/load.py)
+def graph_options(command):
+    """--no-cuda-graphs, --graph-buckets, --max-graph-memory (runners/graphs.py) for commands that run the engine."""
+    command = click.option("--max-graph-memory", default=None, type=click.FloatRange(min=0), metavar="GB",
+                           help="Stop capturing new graphs once their memory pool reaches this (default: no limit)."
+                           )(command)
+    command = click.option("--graph-buckets", default=32, type=click.IntRange(min=0), show_default=True,
+                           help="At most this many captured CUDA graphs (shape bucket x LoRA/plain); batches past "
+                           "it, or beyond the largest bucket, run eagerly.")(command)
+    return click.option("--no-cuda-graphs", is_flag=True,
+                        help="Run every batch eagerly on the GPU (the CPU never uses graphs).")(command)
+
+
+def graph_settings(no_cuda_graphs: bool, graph_buckets: int, max_graph_memory: float | None) -> dict:
+    """`cuda_graphs` and `graph_plan` arguments (Engine.load) for the graph options."""
+    from .runners.graphs import BucketPlan
+
+    plan = BucketPlan(max_buckets=graph_buckets,
+                      max_memory=None if max_graph_memory is None else int(max_graph_memory * 2**30))
+    return dict(cuda_graphs=not no_cuda_graphs, graph_plan=plan)
+
+
 GATE_UP_LAYOUT = click.option(
     "--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
     help="Row order of a fused 3D gate_up LoRA: gate/up alternating, or all gate rows then all up rows "
@@ -116,15 +137,17 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, dtype, device, gate_up
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
               help="Also write JUnit XML here: one testcase per adapter x threshold.")
 @GATE_UP_LAYOUT
+@graph_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def compare_cmd(model_dir, adapters, references, out, device, dtype, batch_tokens, max_k2, max_mean_abs_diff,
-                junit_path, gate_up_layout, quiet):
+                junit_path, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, quiet):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed."""
     from .compare import compare
 
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                      device=device, dtype=dtype, batch_tokens=batch_tokens, max_k2=max_k2,
-                     max_mean_abs_diff=max_mean_abs_diff, quiet=quiet, gate_up_layout=gate_up_layout)
+                     max_mean_abs_diff=max_mean_abs_diff, quiet=quiet, gate_up_layout=gate_up_layout,
+                     **graph_settings(no_cuda_graphs, graph_buckets, max_graph_memory))
     if junit_path:
         from .junit import compare_junit, write_junit
 
@@ -152,15 +175,17 @@ def compare_cmd(model_dir, adapters, references, out, device, dtype, batch_token
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
               help="Also write JUnit XML here: one testcase per adapter for --max-drop.")
 @GATE_UP_LAYOUT
+@graph_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, device, dtype, batch_tokens,
-             junit_path, gate_up_layout, quiet):
+             junit_path, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, quiet):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
     from .mmlu import mmlu, summary_text, verdict
 
     result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
                   subjects=subjects, limit=limit, max_drop=max_drop, device=device, dtype=dtype,
-                  batch_tokens=batch_tokens, quiet=quiet, gate_up_layout=gate_up_layout)
+                  batch_tokens=batch_tokens, quiet=quiet, gate_up_layout=gate_up_layout,
+                  **graph_settings(no_cuda_graphs, graph_buckets, max_graph_memory))
     if junit_path:
         from .junit import mmlu_junit, write_junit
 

@@ -18,6 +18,7 @@ import pandas as pd
 
 from .batching import make_batches, padding_waste
 from .engine import Batch, Engine
+from .runners.graphs import BucketPlan
 from .errors import InputError
 from .html_report import load_tokenizer, worst_tokens
 from .metrics import check_thresholds, group_metrics
@@ -46,10 +47,12 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             references: list | tuple = (), *, out: str | Path | None = None, device: str = "cpu",
             dtype: str = "float32", batch_tokens: int = 4096, max_k2: float | None = 5e-3,
             max_mean_abs_diff: float | None = None, quiet: bool = False,
-            gate_up_layout: str | None = None) -> CompareResult:
+            gate_up_layout: str | None = None, cuda_graphs: bool = True,
+            graph_plan: BucketPlan | None = None) -> CompareResult:
     """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write)
     the summary, per-sample and per-token tables. `references` holds paths or (adapter name, path) pairs.
-    `gate_up_layout`: the row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py)."""
+    `gate_up_layout`: the row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py).
+    `cuda_graphs`, `graph_plan`: CUDA graphs on a GPU, as for `Engine.load` (runners/graphs.py)."""
     adapters = dict(adapters or {})
     arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                      references=[_ref_arg(r) for r in references], device=device, dtype=dtype,
@@ -65,7 +68,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     timings = {}
     t0 = time.perf_counter()
     refs = _read_references(references, adapters)
-    engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout)
+    engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout,
+                         cuda_graphs=cuda_graphs, graph_plan=graph_plan)
     vocab = engine.model.args.vocab_size
     for row in refs.itertuples():
         bad = [t for t in row.input_ids if not 0 <= t < vocab]
@@ -101,7 +105,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     run = dict(arguments=arguments, versions=_versions(), timings=timings,
                batches=len(batches), padding_waste=padding_waste(lengths, batches),
                tokens_per_s=sum(lengths) / max(timings["forward_s"], 1e-9),
-               files=_hashes(model, adapters, references), tokenizer=str(model) if tokenizer else None)
+               files=_hashes(model, adapters, references), tokenizer=str(model) if tokenizer else None,
+               cuda_graphs=engine.graph_stats())
     result = CompareResult(summary=summary, samples=samples, tokens=tokens, run=run, worst=worst)
     if out is not None:
         write_outputs(result, Path(out))

@@ -27,8 +27,9 @@ PROMPTS = [
 ADAPTERS = ("peft-all-linear", "tinker-shared-outer")
 
 
-def build_tokenizer(out: Path, vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained on DEMO_TEXT, saved in `out` (covers any text)."""
+def build_tokenizer(out: Path, vocab_size: int = 320, texts=None):
+    """A byte-level BPE tokenizer trained on `texts` (default: DEMO_TEXT's lines), saved in `out` (covers any
+    text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,7 +38,7 @@ def build_tokenizer(out: Path, vocab_size: int = 320):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(DEMO_TEXT.splitlines(), trainer=trainer)
+    tok.train_from_iterator(DEMO_TEXT.splitlines() if texts is None else texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     fast.save_pretrained(str(out))
     return fast

@@ -56,6 +56,7 @@ import pandas as pd
 from .batching import make_batches, padding_waste
 from .checkpoint import read_json
 from .engine import Batch, Engine
+from .runners.graphs import BucketPlan
 from .errors import InputError, UnsupportedError
 from .progress import progress
 
@@ -107,11 +108,14 @@ class MmluResult:
 def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data: str | Path | None = None, *,
          out: str | Path | None = None, split: str = "test", shots: int = 5, subjects=None, limit: int | None = None,
          max_drop: float | None = None, device: str = "cpu", dtype: str = "float32",
-         batch_tokens: int = BATCH_TOKENS, quiet: bool = False, gate_up_layout: str | None = None) -> MmluResult:
+         batch_tokens: int = BATCH_TOKENS, quiet: bool = False, gate_up_layout: str | None = None,
+         cuda_graphs: bool = True, graph_plan: BucketPlan | None = None, engine: Engine | None = None) -> MmluResult:
     """Score every question of `split` for the base model and each adapter in one pass; return (and, with
     `out`, write) the per-question, per-subject and summary tables. `subjects`: names (list or comma string)
     to keep; `limit`: the first N questions of each subject; `max_drop`: percentage points; `gate_up_layout`:
-    as for `Engine.load`."""
+    as for `Engine.load`; `cuda_graphs`, `graph_plan`: CUDA graphs, as for `Engine.load`. `engine`: an engine
+    already built (its adapters replace `adapters`; `model` is then the folder with config.json and the
+    tokenizer only, e.g. for benchmarks on in-memory random weights)."""
     adapters = dict(adapters or {})
     if isinstance(subjects, str):
         subjects = [s.strip() for s in subjects.split(",") if s.strip()]
@@ -149,7 +153,9 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     timings["tokenize_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout)
+    if engine is None:
+        engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout,
+                             cuda_graphs=cuda_graphs, graph_plan=graph_plan)
     if max(candidates) >= engine.model.args.vocab_size:
         raise InputError(Path(model) / "config.json", f"the tokenizer's answer tokens {candidates} are outside the "
                          f"model's vocabulary ({engine.model.args.vocab_size})", key="vocab_size")
@@ -192,7 +198,7 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
                               for x, t in zip(LETTERS, candidates)},
                data=dict(layout=layout, path=str(data), **_data_hash(files, Path(data))),
-               files=_hashes(model, adapters, []))
+               files=_hashes(model, adapters, []), cuda_graphs=engine.graph_stats())
     result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)
     if out is not None:
         write_outputs(result, Path(out))

@@ -96,7 +96,11 @@ def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> to
     """Rotary inverse frequencies [head_dim/2] for the rope types we compute (default, linear, llama3)."""
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     params = dict(config.get(key) or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", config.get("rope_theta"))
+    theta = 10000.0 if theta is None else theta  # transformers' default where the config names none
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise InputError(where, f"expected a positive number, found {theta!r}", key="rope_theta")
+    theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [D/2]
     if rope_type == "default":
