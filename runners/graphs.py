@@ -120,9 +120,9 @@ class GraphRunner:
         with torch.cuda.stream(side):  # warm-up outside the capture: Triton compiles, library workspaces
             self.build(ids, token_slots, lora)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool):  # entering empties the allocator's cache: measure inside
+            before = torch.cuda.memory_reserved(self.device)
             hidden = self.build(ids, token_slots, lora)  # [rows * length, H]
         self.pool_bytes += max(torch.cuda.memory_reserved(self.device) - before, 0)
         self.plan.captured[(rows, length, lora)] = self.pool_bytes
