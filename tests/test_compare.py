@@ -613,3 +613,20 @@ def test_dump_reference_matches_independent_oracles(art):
         if tag != "base":  # the adapter must matter, or the comparison proves nothing
             effect = max((e - b).abs().max().item() for e, b in zip(expected, hf_logprobs(base, sequences)))
             assert effect > 1e-2, (tag, effect)
+
+
+def test_graph_options(art, tmp_path):
+    """The CUDA-graph options parse and reach the engine; on the CPU no graph is made (run.json says so), and a
+    bad value is a usage error."""
+    result = compare_cli(art, [art.shift_path], tmp_path / "run", "--no-cuda-graphs")
+    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)  # the known shift, not the option
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["cuda_graphs"] is None
+    result = compare_cli(art, [art.shift_path], tmp_path / "run2", "--graph-buckets", "4", "--max-graph-memory", "1.5")
+    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+    bad = compare_cli(art, [art.shift_path], tmp_path / "run3", "--graph-buckets", "-1")
+    assert bad.exit_code == 2 and "--graph-buckets" in bad.stderr and "Traceback" not in bad.stderr
+    from lora_eval.cli import graph_settings
+
+    assert graph_settings(True, 4, None)["cuda_graphs"] is False
+    plan = graph_settings(False, 4, 1.5)["graph_plan"]
+    assert plan.max_buckets == 4 and plan.max_memory == int(1.5 * 2**30)
