@@ -109,7 +109,8 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtyp
     return config
 
 
-SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: 3 stages of (BLOCK_M + BLOCK_R) x BLOCK_K
+SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
+SHRINK_WARPS, SHRINK_STAGES = 4, 3
 
 
 # The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
@@ -124,7 +125,8 @@ def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype) -> int:
     """The LoRA shrink kernel's step over the input features: as long as fits SHRINK_SMEM (at most 256), so
     that the few latency-bound K iterations per slot stay few."""
     size = 4 if dtype == torch.float32 else 2
-    return next((bk for bk in (256, 128, 64, 32) if 3 * (block_m + block_r) * bk * size <= SHRINK_SMEM), 16)
+    return next((bk for bk in (256, 128, 64, 32) if SHRINK_STAGES * (block_m + block_r) * bk * size <= SHRINK_SMEM),
+                16)
 
 
 @triton.jit
@@ -337,7 +339,8 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
             a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
             shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_R=BLOCK_R, BLOCK_M=BM,
             BLOCK_K=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
-            DOT_PRECISION=precision, ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S, num_warps=4)
+            DOT_PRECISION=precision, ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S, num_warps=SHRINK_WARPS,
+            num_stages=SHRINK_STAGES)
         lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
                 lora_B.stride(3))
     else:

@@ -11,6 +11,10 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run through the interpreter on CPU-only machines
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests use tiny tensors: intra-op threads only add overhead, and on a busy 2-core machine spinning OpenMP
+# threads made some modules ~20x slower (50 s instead of 3 s). One thread for the whole run.
+torch.set_num_threads(1)
+
 from tests.builders import save_random_model
 
 # 2I (16) != H (32) and I != H, so a transposed or swapped expert factor cannot pass by coincidence

@@ -31,14 +31,6 @@ TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_
 CASES = {"base", "lora-1", "lora-4-mixed", "no-lora-rows"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is several times faster than two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory) -> Path:

@@ -70,14 +70,6 @@ PUBLISHED = {
 # --- checkpoints, built once per module -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from intra-op threads (see tests/test_models.py); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, session_seed):

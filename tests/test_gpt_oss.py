@@ -84,14 +84,6 @@ def assert_changes(ours, base, what="adapter"):
     assert effect > MIN_EFFECT, f"the {what} moves logprobs by only {effect:.2e}"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from intra-op threads (see tests/test_models.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, session_seed) -> Path:

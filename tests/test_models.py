@@ -103,15 +103,6 @@ def copy_with_config(src: Path, dst: Path, **edits) -> Path:
 # --- checkpoints, built once per module ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny shapes gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads
-    made this module ~20x slower (50 s instead of 3 s); restored afterwards for other modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, session_seed):

@@ -232,10 +232,11 @@ def test_golden_matches_regeneration(regression, tmp_path):
     def flat(frame, column):
         return np.concatenate([np.asarray(v, dtype=np.float64) for v in frame[column]])
 
-    # the float32 trainer logprobs, which the regression checks against: within 1e-6 (bitwise here)
+    # the float32 trainer logprobs, which the regression checks against: within the project's float32 tolerance,
+    # 1e-5 (bitwise with the same CPU and thread count; another thread count splits the GEMMs' sums differently)
     diff = np.abs(flat(committed, "logprobs") - flat(fresh, "logprobs"))
     print(f"logprobs: max |committed - regenerated| = {diff.max():.3g}")
-    assert len(diff) > 300 and diff.max() <= 1e-6
+    assert len(diff) > 300 and diff.max() <= 1e-5
     # the bf16 sampler column only draws the noise floor; bf16 kernels may round differently on another CPU,
     # so it must describe the same noise floor (mean |ref - sampler| within 10%), bitwise on the same platform
     sampler_diff = np.abs(flat(committed, "sampler_logprobs") - flat(fresh, "sampler_logprobs"))

@@ -62,8 +62,7 @@ def _build(family, args, files, dtype: torch.dtype, device: str | torch.device):
                          key=unused[0])
     model.load_state_dict(weights, strict=True, assign=True)
     # the rope buffer is not a checkpoint tensor: computed again on the device (a family may bring its own rope)
-    model.inv_freq = getattr(family, "rope_inv_freq", qwen3.rope_inv_freq)(args.head_dim, args.rope,
-                                                                           args.where).to(device)
+    model.inv_freq = model.rope_inv_freq(args.head_dim, args.rope, args.where).to(device)
     model.eval()
     return model
 

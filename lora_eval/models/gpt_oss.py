@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
-from .layers import (Embedding, FusedExperts, Linear, RMSNorm, deinterleave_gate_up, rope_cos_sin,
-                     yarn_rope)
+from . import qwen3
+from .layers import FusedExperts, Linear, RMSNorm, deinterleave_gate_up, yarn_rope
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("gpt_oss",)
@@ -211,36 +211,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h, fwd), fwd)  # [T, H]
 
 
-class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = Embedding("model.embed_tokens", args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm("model.norm", args.hidden_size, args.rms_norm_eps)
+class CausalLM(qwen3.CausalLM):
+    """Qwen3's causal LM (lora_eval/models/qwen3.py) over GPT-OSS decoder layers, with YaRN rope."""
 
-
-class CausalLM(nn.Module):
-    """input_ids [B, L] (rows right-padded; `fwd` knows their lengths) -> final hidden states [B*L, H]
-    (padding rows are garbage); `logits` applies lm_head to some of them."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Backbone(args)
-        self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
-        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope, args.where), persistent=False)  # [D/2]
-
-    def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
-        B, L = input_ids.shape
-        positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
-        h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, self.args.rope_scale)  # [B, L, D]
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, fwd)  # [T, H]
-        return self.model.norm(h, fwd)  # [T, H]
-
-    def logits(self, h: torch.Tensor, fwd) -> torch.Tensor:
-        return self.lm_head(h, fwd)  # [N, V]
+    decoder_layer = DecoderLayer
+    rope_inv_freq = staticmethod(rope_inv_freq)
 
 
 def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

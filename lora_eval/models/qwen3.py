@@ -198,29 +198,34 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, decoder_layer=DecoderLayer):
         super().__init__()
         self.embed_tokens = Embedding("model.embed_tokens", args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm("model.norm", args.hidden_size, args.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """input_ids [B, L] (rows right-padded; `fwd` knows their lengths) -> final hidden states [B*L, H]
-    (padding rows are garbage); `logits` applies lm_head to some of them."""
+    (padding rows are garbage); `logits` applies lm_head to some of them. Other families subclass it with their
+    own `decoder_layer` and `rope_inv_freq` (and `args.rope_scale`, the rope's attention factor, where not 1)."""
+
+    decoder_layer = DecoderLayer
+    rope_inv_freq = staticmethod(rope_inv_freq)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
+        self.model = Backbone(args, self.decoder_layer)
         self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
-        self.register_buffer("inv_freq", rope_inv_freq(args.head_dim, args.rope, args.where), persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", self.rope_inv_freq(args.head_dim, args.rope, args.where),
+                             persistent=False)  # [D/2]
 
     def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
         B, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
         h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [B, L, D]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, getattr(self.args, "rope_scale", 1.0))  # [B, L, D]
         for layer in self.model.layers:
             h = layer(h, cos, sin, fwd)  # [T, H]
         return self.model.norm(h, fwd)  # [T, H]
