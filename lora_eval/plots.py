@@ -208,7 +208,7 @@ def mmlu_subject_deltas(subjects: pd.DataFrame) -> Figure:
             ax.set_title(f"{adapter} - base", loc="left")
             ax.set_xlabel("accuracy difference, points (95% interval)")
         axes[0, 0].set_yticks(list(y.values()), list(y), fontsize=6)
-        axes[0, 0].set_ylim(len(y) - 0.5, -0.5)
+        axes[0, 0].set_ylim(max(len(y), 1) - 0.5, -0.5)  # no adapter: an empty panel, not a singular axis
         if categories and adapters:
             fig.legend(loc="outside upper center", ncols=len(categories), fontsize=7)
     return fig
@@ -231,7 +231,7 @@ def mmlu_group_deltas(summary: pd.DataFrame) -> Figure:
             ax.errorbar(delta, ys, xerr=err, fmt="o", ms=4, lw=1.2, color=colors[adapter], label=adapter)
         ax.axvline(0, color="black", lw=0.6)
         ax.set_yticks(range(len(groups)), groups)
-        ax.set_ylim(len(groups) - 0.5, -0.5)
+        ax.set_ylim(max(len(groups), 1) - 0.5, -0.5)
         ax.set_xlabel("accuracy difference to base, points (95% interval)")
         ax.set_title("MMLU: adapter - base by group", loc="left")
         if adapters:
