@@ -46,7 +46,6 @@ TARGETS = ("all", "attn", "experts")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 ADAPTER_STRENGTH = 0.2  # RMS of a LoRA delta relative to the RMS of the weight it adapts
-CASE_ORDER = ("base", "lora-1", "mixed", "no-lora-rows")
 
 
 def parse_batch(text: str) -> tuple[int, int]:
@@ -76,6 +75,9 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
             config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if isinstance(i, int) and i < layers]
         if isinstance(config.get("layer_types"), list):
             config["layer_types"] = config["layer_types"][:layers]
+    from .models import family_and_args
+
+    family_and_args(config, path)  # our own checks (family, sizes) before transformers sees the config
     return config
 
 

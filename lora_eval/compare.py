@@ -63,6 +63,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             raise InputError("--adapter", f"'{name}' is reserved for reports; choose another adapter name")
     if not references:
         raise InputError("--reference", "at least one reference dump is needed")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise InputError("--out", f"{out} exists and is not a folder")
     if batch_tokens < 1:
         raise InputError("--batch-tokens", f"must be positive, got {batch_tokens}")
     timings = {}

@@ -113,9 +113,20 @@ def run_kind(run_dir: str | Path) -> str:
 
 def _read_run_json(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        run = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise InputError(run_dir / "run.json", f"not valid JSON ({e})") from None
+    if not isinstance(run, dict):
+        raise InputError(run_dir / "run.json", f"expected a JSON object, found {type(run).__name__}")
+    return run
+
+
+def _require(frame: pd.DataFrame, path: Path, columns: list[str]) -> pd.DataFrame:
+    """A saved table with the columns the reports read, or an error naming the first missing one."""
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise InputError(path, "missing column (was this file written by lora-eval?)", key=missing[0])
+    return frame
 
 
 def _read_csv(path: Path, text: list[str]) -> pd.DataFrame:
@@ -146,10 +157,15 @@ def read_compare_run(run_dir: str | Path):
     """The CompareResult a compare run folder was written from (tables as saved, run.json as saved)."""
     from .compare import CompareResult
 
+    from .compare import SUMMARY_COLUMNS
+
     run_dir = Path(run_dir)
-    summary = _read_csv(run_dir / "summary.csv", ["adapter", "failed"])
-    samples = _read_csv(run_dir / "samples.csv", ["adapter", "sample_id"])
-    tokens = _read_parquet(run_dir / "tokens.parquet")
+    summary = _require(_read_csv(run_dir / "summary.csv", ["adapter", "failed"]), run_dir / "summary.csv",
+                       SUMMARY_COLUMNS)
+    samples = _require(_read_csv(run_dir / "samples.csv", ["adapter", "sample_id"]), run_dir / "samples.csv",
+                       ["adapter", "sample_id"])
+    tokens = _require(_read_parquet(run_dir / "tokens.parquet"), run_dir / "tokens.parquet",
+                      ["adapter", "sample_id", "position", "d", "mask"])
     worst_path = run_dir / "worst_tokens.parquet"
     worst = _read_parquet(worst_path) if worst_path.is_file() else pd.DataFrame()
     for frame in (tokens, worst):
@@ -163,10 +179,15 @@ def read_mmlu_run(run_dir: str | Path):
     """The MmluResult an MMLU run folder was written from (tables and run.json as saved)."""
     from .mmlu import MmluResult
 
+    from .mmlu import QUESTION_COLUMNS, SUBJECT_COLUMNS, SUMMARY_COLUMNS
+
     run_dir = Path(run_dir)
-    summary = _read_csv(run_dir / "mmlu_summary.csv", ["model", "group"])
-    subjects = _read_csv(run_dir / "mmlu_subjects.csv", ["subject", "category", "model"])
-    questions = _read_parquet(run_dir / "mmlu_questions.parquet")
+    summary = _require(_read_csv(run_dir / "mmlu_summary.csv", ["model", "group"]), run_dir / "mmlu_summary.csv",
+                       SUMMARY_COLUMNS)
+    subjects = _require(_read_csv(run_dir / "mmlu_subjects.csv", ["subject", "category", "model"]),
+                        run_dir / "mmlu_subjects.csv", SUBJECT_COLUMNS)
+    questions = _require(_read_parquet(run_dir / "mmlu_questions.parquet"), run_dir / "mmlu_questions.parquet",
+                         QUESTION_COLUMNS)
     for frame in (questions,):
         for column in ("model", "subject", "category", "answer", "prediction"):
             if column in frame:
@@ -221,8 +242,10 @@ def _page(title: str, passed: bool, body: list[str]) -> str:
 def _run_facts(run: dict) -> list[str]:
     parts = ["<h2>Run</h2>"]
     if run.get("batches") is not None:
+        speed = f"{run['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in run else \
+            f"{run['questions_per_s']:,.1f} questions/s" if "questions_per_s" in run else "speed not recorded"
         parts.append(f"<p>{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
-                     f"{run.get('tokens_per_s', 0):,.0f} tokens/s.</p>")
+                     f"{speed}.</p>")
     for key in ("timings", "versions"):
         if run.get(key):
             parts.append(f"<p>{key.capitalize()}: " + ", ".join(

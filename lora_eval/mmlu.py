@@ -119,6 +119,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     adapters = dict(adapters or {})
     if isinstance(subjects, str):
         subjects = [s.strip() for s in subjects.split(",") if s.strip()]
+        if not subjects:
+            raise InputError("--subjects", "no subject named (expected A,B,...; leave it out for all subjects)")
     arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, data=str(data),
                      split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop, device=device,
                      dtype=dtype, batch_tokens=batch_tokens, gate_up_layout=gate_up_layout)
@@ -133,6 +135,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             raise InputError(name, f"expected an integer >= {low}, got {value!r}")
     if max_drop is not None and not max_drop >= 0:
         raise InputError("--max-drop", f"expected a number of points >= 0, got {max_drop!r}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise InputError("--out", f"{out} exists and is not a folder")
     timings = {}
 
     t0 = time.perf_counter()
@@ -156,9 +160,12 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     if engine is None:
         engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout,
                              cuda_graphs=cuda_graphs, graph_plan=graph_plan)
-    if max(candidates) >= engine.model.args.vocab_size:
-        raise InputError(Path(model) / "config.json", f"the tokenizer's answer tokens {candidates} are outside the "
-                         f"model's vocabulary ({engine.model.args.vocab_size})", key="vocab_size")
+    vocab = engine.model.args.vocab_size
+    largest = max([*candidates, *(max(row) for row in ids if row)])
+    if largest >= vocab:
+        raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the model's "
+                         f"vocabulary ({vocab}): the tokenizer in the model folder does not belong to this model",
+                         key="vocab_size")
     timings["load_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -271,10 +278,17 @@ def _read_parquet(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame
     import pyarrow.parquet as pq
 
     files = [f for f in sorted(data.rglob("*.parquet")) if f.name.split("-")[0].split(".")[0] in SPLITS[split]]
-    per_subject = [f for f in files if f.relative_to(data).parts[0] != "all"]
+    per_subject = [f for f in files if "all" not in f.relative_to(data).parts[:-1]]
     files = per_subject or files  # all/ repeats every subject
     if not files:
         raise InputError(data, f"no {split} parquet files ({' or '.join(SPLITS[split])}-*.parquet)")
+    folders = sorted({f.parent for f in files})
+    subjects = {}
+    for folder in folders:  # one folder per subject: two copies (e.g. two cache snapshots) would count twice
+        if folder.name in subjects and folder != data:
+            raise InputError(data, f"subject '{folder.name}' is found twice ({subjects[folder.name]} and {folder}); "
+                             "point --data at one copy of the release")
+        subjects[folder.name] = folder
     counts = []
     for path in files:
         try:

@@ -211,6 +211,26 @@ def test_bench_experts_target_needs_experts(tmp_path):
     assert_input_error(result, "--targets", "needs a model with MoE layers")
 
 
+@pytest.mark.parametrize("change, needles", [
+    (dict(model_type="foo"), ("model_type", "'foo'", "not supported")),
+    (dict(model_type=None), ("model_type", "architecture name")),
+    (dict(vocab_size=None), ("vocab_size",)),
+    (dict(vocab_size="128"), ("vocab_size",)),
+])
+def test_bench_bad_config_is_one_line(tmp_path, change, needles):
+    """Our own config checks run before transformers sees the config."""
+    config = json.loads(REAL_CONFIG.read_text())
+    for key, value in change.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    result = CliRunner().invoke(cli, ["bench", "--config", str(path), "--device", "cpu", "--layers", "1"])
+    assert_input_error(result, "bad.json", *needles)
+
+
 def test_missing_config_is_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["bench", "--config", str(tmp_path / "nope.json"), "--device", "cpu"])
     assert_input_error(result, "nope.json", "file not found")

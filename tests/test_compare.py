@@ -34,6 +34,7 @@ from click.testing import CliRunner
 from lora_eval.batching import make_batches, padding_waste
 from lora_eval.cli import cli
 from lora_eval.compare import SUMMARY_COLUMNS, compare
+from lora_eval.engine import Engine
 from lora_eval.errors import InputError
 from lora_eval.metrics import FRACTION_THRESHOLDS, group_metrics, token_metrics
 from lora_eval.references import read_reference, write_reference
@@ -615,18 +616,42 @@ def test_dump_reference_matches_independent_oracles(art):
             assert effect > 1e-2, (tag, effect)
 
 
-def test_graph_options(art, tmp_path):
-    """The CUDA-graph options parse and reach the engine; on the CPU no graph is made (run.json says so), and a
-    bad value is a usage error."""
+def test_graph_options(art, tmp_path, monkeypatch):
+    """The CUDA-graph options reach Engine.load; on the CPU no graph is made (run.json says so); a bad value is a
+    usage error."""
+    seen = []
+    original = Engine.load
+
+    def load(*args, **kwargs):
+        seen.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", load)
     result = compare_cli(art, [art.shift_path], tmp_path / "run", "--no-cuda-graphs")
     assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)  # the known shift, not the option
+    assert seen[-1]["cuda_graphs"] is False
     assert json.loads((tmp_path / "run" / "run.json").read_text())["cuda_graphs"] is None
     result = compare_cli(art, [art.shift_path], tmp_path / "run2", "--graph-buckets", "4", "--max-graph-memory", "1.5")
     assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+    assert seen[-1]["cuda_graphs"] is True
+    assert (seen[-1]["graph_plan"].max_buckets, seen[-1]["graph_plan"].max_memory) == (4, int(1.5 * 2**30))
     bad = compare_cli(art, [art.shift_path], tmp_path / "run3", "--graph-buckets", "-1")
     assert bad.exit_code == 2 and "--graph-buckets" in bad.stderr and "Traceback" not in bad.stderr
-    from lora_eval.cli import graph_settings
 
-    assert graph_settings(True, 4, None)["cuda_graphs"] is False
-    plan = graph_settings(False, 4, 1.5)["graph_plan"]
-    assert plan.max_buckets == 4 and plan.max_memory == int(1.5 * 2**30)
+
+def test_out_that_is_a_file_is_refused_before_the_run(art, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    assert_input_error(compare_cli(art, [art.shift_path], taken), "--out", "not a folder")
+
+
+def test_an_unexpected_failure_is_one_line_and_exit_3(art, tmp_path, monkeypatch):
+    """Exit 1 means "a threshold was crossed": a failure we do not check for must not look like that."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure deep inside")
+
+    monkeypatch.setattr(Engine, "load", broken)
+    result = compare_cli(art, [art.shift_path], tmp_path / "run")
+    assert result.exit_code == 3, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and "RuntimeError: simulated failure deep inside" in result.stderr
+    assert "Traceback" not in result.stderr

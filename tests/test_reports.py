@@ -160,6 +160,25 @@ def parse_junit(text: str) -> tuple[ET.Element, list[dict]]:
 # ---- fixtures --------------------------------------------------------------------------------------------
 
 
+def test_report_on_a_damaged_run_folder(regression, tmp_path):
+    """A saved table missing a column, a run.json that is not an object, an --out folder that does not exist:
+    one line naming the file and the key, exit 2."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(regression[0] / "run", run)
+    summary = pd.read_csv(run / "summary.csv")
+    summary.drop(columns=["k2"]).to_csv(run / "summary.csv", index=False)
+    assert_input_error(CliRunner().invoke(cli, ["report", str(run)]), str(run / "summary.csv"), "k2",
+                       "missing column")
+    summary.to_csv(run / "summary.csv", index=False)
+    (run / "run.json").write_text("[1, 2]")
+    assert_input_error(CliRunner().invoke(cli, ["report", str(run)]), str(run / "run.json"), "JSON object")
+    shutil.copy(regression[0] / "run" / "run.json", run / "run.json")
+    assert_input_error(CliRunner().invoke(cli, ["report", str(run), "--out", str(tmp_path / "no" / "r.html")]),
+                       "--out", "does not exist")
+
+
 @pytest.fixture(scope="module")
 def regression(tmp_path_factory):
     """The regression exactly as .ci/run and the workflow run it."""
@@ -343,6 +362,9 @@ def test_report_command_bad_input(tmp_path):
     assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path / "missing")]), "run folder not found")
     (tmp_path / "summary.csv").write_text("adapter\nbase\n")
     assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path)]), str(tmp_path), "not a run folder")
+    from lora_eval.compare import SUMMARY_COLUMNS
+
+    (tmp_path / "summary.csv").write_text(",".join(SUMMARY_COLUMNS) + "\n")
     (tmp_path / "samples.csv").write_text("adapter,sample_id\nbase,a\n")
     (tmp_path / "run.json").write_text("{}")
     (tmp_path / "tokens.parquet").write_bytes(b"not parquet at all")

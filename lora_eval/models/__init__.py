@@ -25,7 +25,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         raise InputError(model_dir, "model folder not found")
     config_path = model_dir / "config.json"
     config = read_json(config_path)
-    family, args = _family_and_args(config, config_path)
+    family, args = family_and_args(config, config_path)
     return _build(family, args, TensorFiles.from_checkpoint_dir(model_dir), dtype, device)
 
 
@@ -35,11 +35,11 @@ def load_model_from_tensors(config: dict, tensors: dict[str, torch.Tensor], dtyp
     `state_dict()`: fused experts under transformers 5's names, or per-expert on-disk names; load_weights reads
     both). A tensor already in `dtype` on `device` becomes our parameter as it is, sharing its storage (no copy);
     others are copied. `where` names the source in error messages."""
-    family, args = _family_and_args(config, where)
+    family, args = family_and_args(config, where)
     return _build(family, args, TensorDict(tensors, where=f"{where} (in-memory tensors)"), dtype, device)
 
 
-def _family_and_args(config: dict, where):
+def family_and_args(config: dict, where):
     """The family module for config's model_type, and its ModelArgs read from `config`."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
