@@ -66,6 +66,17 @@ def transformers_layer(w_gate_up, w_down):
         return (lambda x, ids, w: grouped_mm_layer(x, ids, w, w_gate_up, w_down)), "written-out grouped_mm"
 
 
+def layer_weights(g):
+    """bf16 expert weights w_gate_up [E, 2I, H], w_down [E, H, I] and a SLOTS-adapter rank-RANK expert LoRA in the
+    shared-outer layout (gate_up A and down B shared by all experts; gate and up joined at rank 2R)."""
+    def randn(*shape, scale=0.02):
+        return (scale * torch.randn(*shape, generator=g, device="cuda")).to(torch.bfloat16)
+
+    lora = ExpertLoRA(gate_up_A=randn(SLOTS, 1, 2 * RANK, H), gate_up_B=randn(SLOTS, E, 2 * I, 2 * RANK),
+                      down_A=randn(SLOTS, E, RANK, I), down_B=randn(SLOTS, 1, H, RANK), slots=frozenset(range(SLOTS)))
+    return randn(E, 2 * I, H, scale=H**-0.5), randn(E, H, I, scale=I**-0.5), lora
+
+
 def inputs(T, g):
     dev = "cuda"
     x = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
@@ -109,14 +120,7 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else TOKENS
     bench = timer(args.eager)
     g = torch.Generator(device="cuda").manual_seed(0)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(torch.bfloat16)
-    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(torch.bfloat16)
-    lora = ExpertLoRA(
-        gate_up_A=(0.02 * torch.randn(SLOTS, 1, 2 * RANK, H, generator=g, device="cuda")).to(torch.bfloat16),
-        gate_up_B=(0.02 * torch.randn(SLOTS, E, 2 * I, 2 * RANK, generator=g, device="cuda")).to(torch.bfloat16),
-        down_A=(0.02 * torch.randn(SLOTS, E, RANK, I, generator=g, device="cuda")).to(torch.bfloat16),
-        down_B=(0.02 * torch.randn(SLOTS, 1, H, RANK, generator=g, device="cuda")).to(torch.bfloat16),
-        slots=frozenset(range(SLOTS)))
+    w_gu, w_d, lora = layer_weights(g)
     bw = bandwidth_gbs()
     baseline, baseline_name = transformers_layer(w_gu, w_d)
     rows = []

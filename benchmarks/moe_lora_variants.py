@@ -1,28 +1,55 @@
-"""LoRA overhead of the fused MoE layer with the per-block shrink doing a block's adapter slots side by side in
-one pass (kernels/fused_moe.py ALL_SLOTS_MAX) or one pass per slot. CUDA-graph replays, Qwen3-30B-A3B shapes.
+"""LoRA overhead of one fused MoE layer (Qwen3-30B-A3B shapes, 4 rank-16 adapters, CUDA-graph replays) under the
+per-block shrink's settings in kernels/fused_moe.py: its adapter slots side by side in one pass or one pass per
+slot (ALL_SLOTS_MAX), and its launch settings (SHRINK_WARPS, SHRINK_STAGES, SHRINK_SMEM).
 
-    python benchmarks/moe_lora_variants.py
+    python benchmarks/moe_lora_variants.py [--tokens 64,1024,2048,4096,16384]
 """
-import sys; sys.path.insert(0, "benchmarks")
-import torch, triton
-from moe_layer import E, H, I, K_TOP, RANK, SLOTS, inputs
-from lora_eval.adapters.stack import ExpertLoRA
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
 from lora_eval.kernels import fused_moe as fm
 from lora_eval.kernels.dense_lora import lora_metadata
-g = torch.Generator(device="cuda").manual_seed(0); bf = torch.bfloat16
-w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
-w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
-lora = ExpertLoRA(gate_up_A=(0.02 * torch.randn(SLOTS, 1, 2 * RANK, H, generator=g, device="cuda")).to(bf),
-    gate_up_B=(0.02 * torch.randn(SLOTS, E, 2 * I, 2 * RANK, generator=g, device="cuda")).to(bf),
-    down_A=(0.02 * torch.randn(SLOTS, E, RANK, I, generator=g, device="cuda")).to(bf),
-    down_B=(0.02 * torch.randn(SLOTS, 1, H, RANK, generator=g, device="cuda")).to(bf), slots=frozenset(range(SLOTS)))
-for T in [64, 256, 1024, 2048, 4096, 16384]:
-    x, ids, w = inputs(T, g); slots = torch.randint(0, SLOTS, (T,), generator=g, device="cuda"); meta = lora_metadata(slots, SLOTS)
-    res = {}
-    for name, amax in (("shrink-side-by-side", 128), ("shrink-per-slot", 0)):
-        fm.ALL_SLOTS_MAX = amax
-        fn = lambda: fm.fused_moe(x, ids, w, w_gu, w_d, lora, slots, lora_meta=meta)
-        fn(); res[name] = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    base = lambda: fm.fused_moe(x, ids, w, w_gu, w_d); base()
-    b = triton.testing.do_bench_cudagraph(base, rep=100, return_mode="median")
-    print(T, f"base {b:.4f}", " ".join(f"{k} {v:.4f} ({v/b:.3f})" for k, v in res.items()), flush=True)
+
+from moe_layer import SLOTS, inputs, layer_weights  # benchmarks/ is the script's folder
+
+VARIANTS = {  # name: module settings
+    "side-by-side (kept)": dict(ALL_SLOTS_MAX=128, SHRINK_WARPS=4, SHRINK_STAGES=3, SHRINK_SMEM=160 * 1024),
+    "per-slot": dict(ALL_SLOTS_MAX=0, SHRINK_WARPS=4, SHRINK_STAGES=3, SHRINK_SMEM=160 * 1024),
+    "8 warps": dict(ALL_SLOTS_MAX=128, SHRINK_WARPS=8, SHRINK_STAGES=3, SHRINK_SMEM=160 * 1024),
+    "4 stages": dict(ALL_SLOTS_MAX=128, SHRINK_WARPS=4, SHRINK_STAGES=4, SHRINK_SMEM=200 * 1024),
+    "2 stages": dict(ALL_SLOTS_MAX=128, SHRINK_WARPS=4, SHRINK_STAGES=2, SHRINK_SMEM=100 * 1024),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="64,1024,2048,4096,16384")
+    args = parser.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w_gu, w_d, lora = layer_weights(g)
+    kept = {name: getattr(fm, name) for name in VARIANTS["side-by-side (kept)"]}
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x, ids, w = inputs(T, g)
+        slots = torch.randint(0, SLOTS, (T,), generator=g, device="cuda")
+        meta = lora_metadata(slots, SLOTS)
+        base = triton.testing.do_bench_cudagraph(lambda: fm.fused_moe(x, ids, w, w_gu, w_d), rep=100,
+                                                 return_mode="median")
+        cells = []
+        for name, settings in VARIANTS.items():
+            for key, value in settings.items():
+                setattr(fm, key, value)
+            call = lambda: fm.fused_moe(x, ids, w, w_gu, w_d, lora, slots, lora_meta=meta)  # noqa: E731
+            call()  # compile outside the capture
+            cells.append(f"{name} {triton.testing.do_bench_cudagraph(call, rep=100, return_mode='median') / base:.3f}")
+        for key, value in kept.items():
+            setattr(fm, key, value)
+        print(f"M={T}: base {base:.4f} ms; LoRA overhead: " + ", ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,8 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from lora_eval.kernels.dense_lora import lora_metadata
 from lora_eval.kernels.fused_moe import fused_moe
 
-from moe_layer import E, H, I, K_TOP, RANK, SLOTS, inputs  # noqa: E402  (benchmarks/ is the script's folder)
-from lora_eval.adapters.stack import ExpertLoRA
+from moe_layer import SLOTS, inputs, layer_weights  # benchmarks/ is the script's folder
 
 CALLS = 20
 
@@ -45,15 +44,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
-    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
-    lora = ExpertLoRA(
-        gate_up_A=(0.02 * torch.randn(SLOTS, 1, 2 * RANK, H, generator=g, device="cuda")).to(bf),
-        gate_up_B=(0.02 * torch.randn(SLOTS, E, 2 * I, 2 * RANK, generator=g, device="cuda")).to(bf),
-        down_A=(0.02 * torch.randn(SLOTS, E, RANK, I, generator=g, device="cuda")).to(bf),
-        down_B=(0.02 * torch.randn(SLOTS, 1, H, RANK, generator=g, device="cuda")).to(bf),
-        slots=frozenset(range(SLOTS)))
+    w_gu, w_d, lora = layer_weights(g)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
         x, ids, w = inputs(T, g)
