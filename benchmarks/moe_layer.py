@@ -2,7 +2,7 @@
 transformers' own `grouped_mm` experts module (Qwen3MoeExperts, torch._grouped_mm) holding the same
 weights, in the same run.
 
-    python benchmarks/moe_layer.py [--out results.csv] [--sweep]
+    python benchmarks/moe_layer.py [--out results.csv] [--tokens 64,1024] [--eager]
 
 E=128 experts, top-8, H=2048, I=768, bf16; LoRA rank 16 on gate_up and down, 4 adapters, every token under
 one of them. TFLOP/s counts the expert GEMMs only: 2 * M * k * 3 * H * I. The memory floor is every
@@ -15,7 +15,6 @@ where one copy serves every layer of a forward.
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import pandas as pd
 import torch
@@ -66,6 +65,13 @@ def transformers_layer(w_gate_up, w_down):
         return (lambda x, ids, w: grouped_mm_layer(x, ids, w, w_gate_up, w_down)), "written-out grouped_mm"
 
 
+def config_label(cfg) -> str:
+    """BLOCK_M | gate_up tiles | down tiles (BLOCK_N/BLOCK_K/warps/stages) and the operand layout."""
+    tiles = ["{BLOCK_N}/{BLOCK_K}/w{num_warps}/s{num_stages}".format(**getattr(cfg, g)) for g in ("gate_up", "down")]
+    layout = "+".join(n for n, on in (("w_tma", cfg.w_tma), ("sorted_act", cfg.sorted_act)) if on) or "ptr"
+    return f"{cfg.block_m}|{tiles[0]}|{tiles[1]}|{layout}"
+
+
 def layer_weights(g):
     """bf16 expert weights w_gate_up [E, 2I, H], w_down [E, H, I] and a SLOTS-adapter rank-RANK expert LoRA in the
     shared-outer layout (gate_up A and down B shared by all experts; gate and up joined at rank 2R)."""
@@ -113,7 +119,6 @@ def bandwidth_gbs():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--sweep", action="store_true", help="try every config per size, keep the fastest")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts")
     parser.add_argument("--eager", action="store_true", help="time eager calls instead of graph replays")
     args = parser.parse_args()
@@ -134,27 +139,14 @@ def main():
         ref_lora = fused_moe_ref(x.float(), ids, w.float(), w_gu.float(), w_d.float(), _float(lora), slots)
         out_lora = fused_moe(x, ids, w, w_gu, w_d, lora, slots, lora_meta=meta).float()
         err_lora = ((out_lora - ref_lora).norm() / ref_lora.norm()).item()
-        configs = [pick_config(T, K_TOP, E)]
-        if args.sweep:
-            configs += [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw, num_stages=ns)
-                        for bm, (bn, bk), nw, ns in itertools.product(
-                            (16, 32, 64, 128), ((64, 64), (64, 128), (128, 64), (128, 128)), (4, 8), (3, 4))]
-        best = None
-        for cfg in configs:
-            try:
-                fused_moe(x, ids, w, w_gu, w_d, config=cfg)  # compile outside the capture
-                ms = bench(lambda: fused_moe(x, ids, w, w_gu, w_d, config=cfg))
-            except Exception as e:  # a config that does not fit (shared memory) is skipped
-                print(f"T={T} config {cfg} failed: {type(e).__name__}")
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, cfg)
-        ms_base, cfg = best
+        cfg = pick_config(T, K_TOP, E)
+        fused_moe(x, ids, w, w_gu, w_d, config=cfg)  # compile outside the capture
+        ms_base = bench(lambda: fused_moe(x, ids, w, w_gu, w_d, config=cfg))
         fused_moe(x, ids, w, w_gu, w_d, lora, slots, config=cfg, lora_meta=meta)
         ms_lora = bench(lambda: fused_moe(x, ids, w, w_gu, w_d, lora, slots, config=cfg, lora_meta=meta))
         ms_gmm = bench(lambda: baseline(x, ids, w))
-        ms_align = bench(lambda: moe_align(ids, E, cfg["BLOCK_M"]))
-        ms_align_lora = bench(lambda: moe_align(ids, E, cfg["BLOCK_M"], slots, SLOTS))
+        ms_align = bench(lambda: moe_align(ids, E, cfg.block_m))
+        ms_align_lora = bench(lambda: moe_align(ids, E, cfg.block_m, slots, SLOTS))
         flops = 2 * T * K_TOP * 3 * H * I
         touched = torch.unique(ids).numel()
         floor_ms = touched * 3 * H * I * 2 / (bw * 1e6)
@@ -162,8 +154,7 @@ def main():
                          base_tflops=flops / ms_base / 1e9, grouped_mm_tflops=flops / ms_gmm / 1e9,
                          speedup_vs_grouped_mm=ms_gmm / ms_base, lora_overhead=ms_lora / ms_base,
                          weight_floor_ms=floor_ms, base_over_floor=ms_base / floor_ms, align_ms=ms_align,
-                         align_lora_ms=ms_align_lora, rel_err=err, rel_err_lora=err_lora, rel_err_grouped_mm=err_gmm, config="{BLOCK_M}/{BLOCK_N}/{BLOCK_K}/w{num_warps}/s{num_stages}"
-                         .format(**cfg)))
+                         align_lora_ms=ms_align_lora, rel_err=err, rel_err_lora=err_lora, rel_err_grouped_mm=err_gmm, config=config_label(cfg)))
         print(pd.DataFrame(rows[-1:]).to_string(index=False, float_format=lambda v: f"{v:.3g}"), flush=True)
     table = pd.DataFrame(rows)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "

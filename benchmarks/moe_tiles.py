@@ -1,10 +1,12 @@
-"""Tile sweep for the two grouped GEMMs of the fused MoE, each on its own (they have different shapes:
-gate_up N=2*768 K=2048, down N=2048 K=768), plus the cost of the LoRA variant itself: the LoRA-compiled
-kernel with no adapter rows (the slot loop never runs) against the plain kernel.
+"""Tile and operand-layout sweep for the two grouped GEMMs of the fused MoE, each on its own (they have different
+shapes: gate_up N=2*768 K=2048, down N=2048 K=768), and where one layer's time goes, component by component.
 
-    python benchmarks/moe_tiles.py --tokens 64,1024,16384
+    python benchmarks/moe_tiles.py --tokens 2048,4096,16384 [--out tiles.csv]
 
-Qwen3-30B-A3B layer shapes, bf16, CUDA-graph replays (median). Prints the fastest configs per GEMM and M.
+Layouts (kernels/fused_moe.py): `ptr` loads both operands through pointers (rows gathered by pair id);
+`w_tma` loads the expert weights through a TMA tensor descriptor; `sorted` (down only) reads the activation
+written in block order by the gate_up GEMM, through a descriptor too, so that both operands of the down GEMM
+are TMA loads. Qwen3-30B-A3B layer shapes, bf16, CUDA-graph replays (median).
 """
 
 from __future__ import annotations
@@ -16,72 +18,134 @@ import pandas as pd
 import torch
 import triton
 
-from lora_eval.kernels.fused_moe import moe_gemm, pick_config
+from lora_eval.kernels.fused_moe import fused_moe, moe_gemm, moe_sum, pick_config
 from lora_eval.kernels.moe_align import moe_align
 
-E, K_TOP, H, I, RANK, SLOTS = 128, 8, 2048, 768, 16, 4
+E, K_TOP, H, I = 128, 8, 2048, 768
+LAYOUTS = {"gate_up": ("ptr", "w_tma"), "down": ("ptr", "w_tma", "sorted")}
 
 
 def time_graph(fn):
     fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+
+
+def tile_grid(T):
+    block_m = pick_config(T, K_TOP, E).block_m
+    grid = []
+    for bn, bk, nw in itertools.product((64, 128, 256), (64, 128), (4, 8)):
+        grid.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw,
+                         num_stages=4 if bk == 64 else 3))
+    return grid
+
+
+def layout_args(gemm, layout):
+    if layout == "ptr":
+        return {}
+    if layout == "w_tma":
+        return dict(w_tma=True)
+    return dict(w_tma=True, a_tma=True, a_sorted=True)
+
+
+def sweep(T, g, rows, out_csv):
+    """Time every (tile, layout) of both GEMMs; each result is also checked against the einsum of the same pairs."""
+    bf = torch.bfloat16
+    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
+    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
+    x = torch.randn(T, H, generator=g, device="cuda").to(bf)
+    ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
+    w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
+    act = torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf)  # [P, I]
+    flat = ids.reshape(-1)
+    sample = torch.arange(0, T * K_TOP, max(1, T * K_TOP // 64), device="cuda")  # 64 pairs checked
+    gu = torch.einsum("ph,pnh->pn", x[sample // K_TOP].float(), w_gu[flat[sample]].float())
+    ref = {"gate_up": torch.nn.functional.silu(gu[:, :I]) * gu[:, I:],
+           "down": torch.einsum("pi,phi->ph", act[sample].float(), w_d[flat[sample]].float()) / K_TOP}
+    for cfg in tile_grid(T):
+        align = moe_align(ids, E, cfg["BLOCK_M"])
+        act_sorted = act[align.sorted_pairs.long().clamp(0, T * K_TOP - 1)]  # [NB * BM, I] block order
+        out_gu = torch.empty(T * K_TOP, I, device="cuda", dtype=bf)
+        out_d = torch.empty(T * K_TOP, H, device="cuda", dtype=bf)
+        for gemm in ("gate_up", "down"):
+            if gemm == "gate_up" and cfg["BLOCK_N"] == 256 and cfg["BLOCK_M"] == 128:
+                continue  # two 128 x 256 fp32 accumulators do not fit the registers
+            for layout in LAYOUTS[gemm]:
+                kw = layout_args(gemm, layout)
+                if gemm == "gate_up":
+                    out = out_gu
+                    fn = lambda: moe_gemm(x, w_gu, out_gu, align, gated=True, rows_are_tokens=True, top_k=K_TOP,  # noqa: E731
+                                          config=cfg, **kw)
+                else:
+                    out = out_d
+                    a = act_sorted if layout == "sorted" else act
+                    fn = lambda: moe_gemm(a, w_d, out_d, align, gated=False, rows_are_tokens=False,  # noqa: E731
+                                          top_k=K_TOP, topk_weights=w, config=cfg, **kw)
+                try:
+                    out.fill_(float("nan"))
+                    fn()
+                    err = ((out[sample].float() - ref[gemm]).norm() / ref[gemm].norm()).item()
+                    ms = time_graph(fn)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
+                    print(f"T={T} {gemm} {layout} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    if "illegal" in str(e):
+                        raise
+                    continue
+                rows.append(dict(tokens=T, gemm=gemm, layout=layout, ms=ms, rel_err=err, **cfg))
+                if out_csv:
+                    pd.DataFrame(rows).to_csv(out_csv, index=False)
+    return dict(x=x, ids=ids, w=w, w_gu=w_gu, w_d=w_d)
+
+
+def components(T, t):
+    """Median replay times of the default layer's parts: alignment, gate_up, down, sum over k, whole layer."""
+    cfg = pick_config(T, K_TOP, E)
+    align = moe_align(t["ids"], E, cfg.block_m)
+    act = torch.empty(align.num_blocks * cfg.block_m, I, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(T * K_TOP, H, device="cuda", dtype=torch.bfloat16)
+    weights = torch.softmax(torch.randn(T, K_TOP, device="cuda"), -1).to(torch.bfloat16)
+    sort = dict(a_sorted=cfg.sorted_act, a_tma=cfg.sorted_act and cfg.w_tma)
+    parts = {  # the default tiles and layout
+        "alignment": lambda: moe_align(t["ids"], E, cfg.block_m),
+        "gate_up": lambda: moe_gemm(t["x"], t["w_gu"], act, align, gated=True, rows_are_tokens=True, top_k=K_TOP,
+                                    config=cfg.tiles("gate_up"), w_tma=cfg.w_tma, out_sorted=cfg.sorted_act),
+        "down": lambda: moe_gemm(act, t["w_d"], y, align, gated=False, rows_are_tokens=False, top_k=K_TOP,
+                                 topk_weights=t["w"], config=cfg.tiles("down"), w_tma=cfg.w_tma, **sort),
+        "sum over k": lambda: moe_sum(y.view(T, K_TOP, H)),
+        "layer": lambda: fused_moe(t["x"], t["ids"], weights, t["w_gu"], t["w_d"]),
+    }
+    times = {name: time_graph(fn) for name, fn in parts.items()}
+    flops = 2 * T * K_TOP * 3 * H * I
+    print(f"T={T} components (ms): " + ", ".join(f"{k} {v:.4f}" for k, v in times.items())
+          + f"; parts sum {sum(v for k, v in times.items() if k != 'layer'):.4f}; layer {flops / times['layer'] / 1e9:.0f} "
+          f"TFLOP/s")
+    a = torch.randn(T * K_TOP // 8, H, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(H, 3 * I * 8, device="cuda", dtype=torch.bfloat16)
+    dense = time_graph(lambda: a @ b)
+    print(f"T={T} dense cuBLAS GEMM of the same FLOPs ({a.shape[0]}x{H} @ {H}x{b.shape[1]}): {dense:.4f} ms, "
+          f"{flops / dense / 1e9:.0f} TFLOP/s")
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="64,1024,16384")
+    parser.add_argument("--tokens", default="2048,4096,16384")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
-    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
-    A_gu = (0.02 * torch.randn(SLOTS, E, 2 * RANK, H, generator=g, device="cuda")).to(bf)
-    B_gu = (0.02 * torch.randn(SLOTS, E, 2 * I, 2 * RANK, generator=g, device="cuda")).to(bf)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        pairs_per_expert = T * K_TOP / E
-        block_ms = (16, 32) if pairs_per_expert <= 16 else (32, 64) if pairs_per_expert <= 128 else (64, 128)
-        grid = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw, num_stages=4 if bk == 64 else 3)
-                for bm, bn, bk, nw in itertools.product(block_ms, (64, 128, 256), (64, 128), (4, 8))]
-        x = torch.randn(T, H, generator=g, device="cuda").to(bf)
-        ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
-        w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
-        act = torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf)
-        no_adapter = torch.full((T,), -1, device="cuda", dtype=torch.long)
-        for cfg in grid:
-            align = moe_align(ids, E, cfg["BLOCK_M"])
-            out_gu = torch.empty(T * K_TOP, I, device="cuda", dtype=bf)
-            out_d = torch.empty(T * K_TOP, H, device="cuda", dtype=bf)
-            try:
-                gu = time_graph(lambda: moe_gemm(x, w_gu, out_gu, align, gated=True, rows_are_tokens=True,
-                                                 top_k=K_TOP, config=cfg))
-                dn = time_graph(lambda: moe_gemm(act, w_d, out_d, align, gated=False, rows_are_tokens=False,
-                                                 top_k=K_TOP, topk_weights=w, config=cfg))
-            except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
-                print(f"T={T} {cfg}: {type(e).__name__}")
-                continue
-            rows.append(dict(tokens=T, gemm="gate_up", ms=gu, **cfg))
-            rows.append(dict(tokens=T, gemm="down", ms=dn, **cfg))
-        # the LoRA-compiled gate_up kernel with no adapter rows, at the default config
-        cfg = pick_config(T, K_TOP, E)
-        align_lora = moe_align(ids, E, cfg["BLOCK_M"], no_adapter, SLOTS)
-        out_gu = torch.empty(T * K_TOP, I, device="cuda", dtype=bf)
-        plain = time_graph(lambda: moe_gemm(x, w_gu, out_gu, align_lora, gated=True, rows_are_tokens=True,
-                                            top_k=K_TOP, config=cfg))
-        compiled = time_graph(lambda: moe_gemm(x, w_gu, out_gu, align_lora, gated=True, rows_are_tokens=True,
-                                               top_k=K_TOP, lora_A=A_gu, lora_B=B_gu, config=cfg))
-        print(f"T={T}: gate_up plain {plain:.4f} ms, LoRA variant with no adapter rows {compiled:.4f} ms "
-              f"({compiled / plain:.3f}x)")
+        tensors = sweep(T, g, rows, args.out)
+        components(T, tensors)
     table = pd.DataFrame(rows)
-    best = table.sort_values("ms").groupby(["tokens", "gemm"]).head(3).sort_values(["tokens", "gemm", "ms"])
-    print(best.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    defaults = {T: pick_config(T, K_TOP, E) for T in table["tokens"].unique()}
+    keys = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"]
+    best = table.sort_values("ms").groupby(["tokens", "gemm", "layout"]).head(2)
+    print(f"largest relative error against the einsum: {table['rel_err'].max():.2e}")
+    print(best.sort_values(["tokens", "gemm", "ms"])[["tokens", "gemm", "layout", "ms", *keys]]
+          .to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     for (T, gemm), group in table.groupby(["tokens", "gemm"]):
-        d = defaults[T]
-        match = group[(group[list(d)] == pd.Series(d)).all(axis=1)]
-        if len(match):
-            print(f"T={T} {gemm}: default config {match['ms'].iloc[0]:.4f} ms, best {group['ms'].min():.4f} ms")
+        best = group.loc[group["ms"].idxmin()]
+        print(f"T={T} {gemm}: best {best['ms']:.4f} ms ({best['layout']}, "
+              + "/".join(str(best[k]) for k in keys) + ")")
     if args.out:
         table.to_csv(args.out, index=False)
 

@@ -13,6 +13,8 @@ where an expert dim of 1 is shared by all experts (broadcast), scaling folded in
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
@@ -78,43 +80,85 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------------------
 # Triton: one grouped GEMM kernel over aligned blocks (kernels/moe_align.py), used twice per layer:
 #   gate_up: x[pair // k] @ W_gu[e]^T -> gate, up (two accumulators) -> silu(gate) * up -> act [P, I]
+#            (MoeConfig.sorted_act: act [NB * BLOCK_M, I] in block order, read by the down GEMM by block row)
 #   down:    act[pair] @ W_d[e]^T -> * routing weight -> y [P, H];   out[t] = sum_j y[t * k + j] (fp32, moe_sum)
-# LoRA: a small shrink kernel computes x @ A[s, e]^T once per aligned block (fp32 [blocks * BLOCK_M, R]); the
-# grouped GEMM then adds shrink @ B[s, e]^T to its accumulators before the epilogue, for the rows of adapter
-# slot s only (a block nearly always holds one adapter). A block whose pairs have no adapter costs nothing.
+# LoRA: a small shrink kernel computes x @ A[s, e]^T once per aligned block ([blocks * BLOCK_M, R] in x's dtype);
+# the grouped GEMM loads a block's shrink rows and B[s, e] tile before its main loop and adds shrink @ B^T to
+# its accumulators after it, for the rows of adapter slot s only (a block nearly always holds one adapter).
+# A block whose pairs have no adapter adds nothing.
 # ---------------------------------------------------------------------------------------------------------
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from .dense_lora import dense_lora_shrink, lora_metadata  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
 
-# Tile configs by pairs per expert (T * k / E), the fastest of a 64-config sweep on an H100 at Qwen3-30B-A3B
-# shapes (benchmarks/moe_layer.py --sweep; BENCHMARKS.md)
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch settings of one fused MoE call. `block_m` is shared (one alignment serves both GEMMs); `gate_up`
+    and `down` hold each GEMM's BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. `w_tma`: the expert weights
+    load through TMA tensor descriptors; `sorted_act`: the gate_up GEMM writes the activation in block order
+    and the down GEMM reads it by block row (through a descriptor too when `w_tma`). Both fall back to
+    pointer loads where TMA is not available (before Hopper, or a tensor TMA cannot describe)."""
+    block_m: int
+    gate_up: dict
+    down: dict
+    w_tma: bool = False
+    sorted_act: bool = False
+
+    def tiles(self, gemm: str) -> dict:
+        return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
+
+
+def _tiles(n, k, warps, stages, group_m=8):
+    return dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+
+
+# By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
+# shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
+# 2048 (gate_up); the block-ordered activation from 8192 on.
 CONFIGS = {
-    16: dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
-    64: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
-    256: dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
-    None: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    16: MoeConfig(16, gate_up=_tiles(128, 128, 8, 4), down=_tiles(128, 128, 8, 4)),
+    64: MoeConfig(64, gate_up=_tiles(64, 64, 4, 3), down=_tiles(128, 64, 4, 4), w_tma=True),
+    256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True),
+    None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True),
 }
 
 
-def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
     pairs_per_expert = num_tokens * top_k / num_experts
     limit = next((n for n in CONFIGS if n is not None and pairs_per_expert <= n), None)
-    config = dict(CONFIGS[limit])
+    config = CONFIGS[limit]
     if dtype == torch.float32:  # 4-byte tiles: halve the K step and the pipeline depth to fit shared memory
-        config.update(BLOCK_K=min(config["BLOCK_K"], 32), num_stages=2)
+        fp32 = {gemm: {**getattr(config, gemm), "BLOCK_K": min(getattr(config, gemm)["BLOCK_K"], 32), "num_stages": 2}
+                for gemm in ("gate_up", "down")}
+        config = replace(config, **fp32)
     return config
+
+
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can describe `t`: Hopper or later (or the interpreter), unit last stride,
+    16-byte aligned base and strides."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
+        return False
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
 SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
 SHRINK_WARPS, SHRINK_STAGES = 4, 3
+# Rows per program of the per-block shrink: a whole aligned block (at most 128 rows). Slicing blocks into 32- or
+# 16-row programs (more programs, fewer K steps each) measured slower: LoRA overhead 1.131 / 1.161 against 1.112
+# at M = 4096 with per-expert factors (benchmarks/moe_lora_variants.py, H100).
+SHRINK_ROWS = 128
 
 
 # The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
-# columns, each row keeping its own slot's) while that is at most ALL_SLOTS_MAX wide, else one pass per slot.
+# columns, each row keeping its own slot's) while that is at most ALL_SLOTS_MAX wide, else one pass per slot; a
+# block of one slot (most blocks at large M) always takes the one narrow pass.
 # H100, Qwen3-30B-A3B shapes, 4 adapters (benchmarks/moe_lora_variants.py): LoRA overhead 1.071-1.117 against
 # 1.085-1.126 one pass per slot. The same side-by-side trick for the expand measured slower at every M
 # (1.076-1.405 against 1.071-1.117): blocks of large M hold one or two slots, and the wide dot costs more there.
@@ -147,6 +191,30 @@ def _shrink(a_ptr, rows, row_mask, la_ptr, K, R, stride_am, stride_ak, stride_la
 
 
 @triton.jit
+def _shrink_side_by_side(a_ptr, rows, valid, slot, lo, hi, la_ptr, K, R, stride_am, stride_ak, stride_las, stride_lar,
+                         stride_lak, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BLOCK_M, BLOCK_R] fp32: each row's own slot's a @ A[slot]^T, slots lo..hi computed side by side in one
+    pass over K (column c of the wide product: slot c // BLOCK_R, rank c % BLOCK_R); A of slot s at
+    la_ptr + s * stride_las."""
+    offs_c = tl.arange(0, BLOCK_S * BLOCK_R)
+    c_slot = offs_c // BLOCK_R
+    c_rank = offs_c % BLOCK_R
+    c_mask = (c_slot >= lo) & (c_slot <= hi) & (c_rank < R)
+    la_cols = la_ptr + c_slot.to(tl.int64) * stride_las + c_rank * stride_lar  # [BS*BR]
+    offs_k = tl.arange(0, BLOCK_K)
+    wide = tl.zeros((BLOCK_M, BLOCK_S * BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+        la = tl.load(la_cols[None, :] + kk[:, None] * stride_lak, mask=c_mask[None, :] & (kk[:, None] < K), other=0.0)
+        wide += tl.dot(a, la, input_precision=DOT_PRECISION)
+    wide = tl.where(c_slot[None, :] == slot[:, None], wide, 0.0)  # a row's own slot only (exact zeros else)
+    return tl.sum(tl.reshape(wide, (BLOCK_M, BLOCK_S, BLOCK_R)), axis=1)  # [BM, BR]
+
+
+@triton.jit
 def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     """acc += shrunk @ B^T for B [N, R] at lb_ptr (columns offs_n)."""
@@ -161,47 +229,45 @@ def moe_lora_shrink_kernel(
     a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, token_slots_ptr, block_lo_ptr,
     block_hi_ptr, K, P, R, top_k,
     stride_am, stride_ak, stride_las, stride_lae, stride_lar, stride_lak, stride_sm,
-    ROWS_ARE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ALL_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROWS_ARE_TOKENS: tl.constexpr, A_SORTED: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_K_WIDE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALL_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """shrunk[block rows] = a[rows] @ A[slot of the row, e]^T (fp32) for one aligned block; blocks without an
-    adapter are skipped (their rows are never read). ALL_SLOTS: one pass over K computes the block's slots side by
-    side (BLOCK_S * BLOCK_R columns) and each row keeps its own slot's; else one pass per slot in the block."""
-    pid_m = tl.program_id(0)
+    """shrunk[block rows] = a[rows] @ A[slot of the row, e]^T for one aligned block; blocks without an adapter are
+    skipped (their rows are never read). ALL_SLOTS: a block with several slots computes them side by side in one
+    pass over K (BLOCK_S * BLOCK_R columns) and each row keeps its own slot's; else (and for a block of one slot,
+    the common case at large M) one pass per slot in the block. A program does BLOCK_M rows of an ALIGN_M-row
+    aligned block (more programs, fewer K steps each: the shrink is latency-bound)."""
+    pid = tl.program_id(0)
+    pid_m = pid // (ALIGN_M // BLOCK_M)  # the aligned block
     hi = tl.load(block_hi_ptr + pid_m)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr) or hi < 0:
+    if pid_m * ALIGN_M >= tl.load(num_padded_ptr) or hi < 0:
         return
     lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * ALIGN_M + (pid % (ALIGN_M // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pairs_ptr + offs_m)
     valid = pair < P
     rows = ((pair // top_k) if ROWS_ARE_TOKENS else pair).to(tl.int64)
+    if A_SORTED:
+        rows = offs_m.to(tl.int64)
     slot = tl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)
     if ALL_SLOTS:
-        offs_c = tl.arange(0, BLOCK_S * BLOCK_R)  # column c: slot c // BLOCK_R, rank c % BLOCK_R
-        c_slot = offs_c // BLOCK_R
-        c_rank = offs_c % BLOCK_R
-        c_mask = (c_slot >= lo) & (c_slot <= hi) & (c_rank < R)
-        la_cols = la_ptr + e * stride_lae + c_slot.to(tl.int64) * stride_las + c_rank * stride_lar  # [BS*BR]
-        offs_k = tl.arange(0, BLOCK_K)
-        wide = tl.zeros((BLOCK_M, BLOCK_S * BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :] * stride_ak,
-                        mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-            la = tl.load(la_cols[None, :] + kk[:, None] * stride_lak, mask=c_mask[None, :] & (kk[:, None] < K),
-                         other=0.0)
-            wide += tl.dot(a, la, input_precision=DOT_PRECISION)
-        wide = tl.where(c_slot[None, :] == slot[:, None], wide, 0.0)  # a row's own slot only (exact zeros else)
-        acc = tl.sum(tl.reshape(wide, (BLOCK_M, BLOCK_S, BLOCK_R)), axis=1)  # [BM, BR]
+        if hi > lo:
+            acc = _shrink_side_by_side(a_ptr, rows, valid, slot, lo, hi, la_ptr + e * stride_lae, K, R, stride_am,
+                                       stride_ak, stride_las, stride_lar, stride_lak, BLOCK_M, BLOCK_K_WIDE, BLOCK_R,
+                                       BLOCK_S, DOT_PRECISION)
+        else:
+            acc = _shrink(a_ptr, rows, valid & (slot == lo), la_ptr + lo * stride_las + e * stride_lae, K, R,
+                          stride_am, stride_ak, stride_lar, stride_lak, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for s in range(lo, hi + 1):  # each row picks up its own adapter's shrink
             acc += _shrink(a_ptr, rows, valid & (slot == s), la_ptr + s * stride_las + e * stride_lae, K, R,
                            stride_am, stride_ak, stride_lar, stride_lak, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION)
     offs_r = tl.arange(0, BLOCK_R)
-    tl.store(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :], acc, mask=(offs_r < R)[None, :])
+    tl.store(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :], acc.to(shrunk_ptr.dtype.element_ty),
+             mask=(offs_r < R)[None, :])
 
 
 @triton.jit
@@ -212,14 +278,17 @@ def moe_gemm_kernel(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+    A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
 ):
     """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
     GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up (CLAMPED_SWIGLU: GPT-OSS's form).
     HAS_BIAS: bias [E, N] (GATED: [E, 2N]) added before the activation / the routing weight.
-    SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row."""
+    SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row.
+    A_SORTED: a's rows are block rows (a written in block order by OUT_SORTED, every row of a run block written).
+    W_TMA / A_TMA: w_ptr / a_ptr are tensor descriptors (blocks [1, BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K])."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
@@ -235,39 +304,64 @@ def moe_gemm_kernel(
     valid = pair < P
     rows = (pair // top_k) if ROWS_ARE_TOKENS else pair
     rows = rows.to(tl.int64)
+    if A_SORTED:
+        rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if not A_TMA:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if not W_TMA:
+        w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # LoRA first: its B tiles load while the main loop's pipeline fills, and rows without an adapter get an
-    # exact zero start (masked shrink rows are 0)
-    if HAS_LORA:
+    if HAS_LORA:  # the first slot's operands load before the main loop, so that their latency hides behind it
         lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
         hi = tl.load(block_hi_ptr + pid_m)
         slot = tl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)
         offs_r = tl.arange(0, BLOCK_R)
-        shrunk_rows = rows if SHRUNK_BY_TOKEN else offs_m.to(tl.int64)
-        for s in range(lo, hi + 1):  # one dot per slot in the block, none for base-only blocks
-            shrunk = tl.load(shrunk_ptr + shrunk_rows[:, None] * stride_sm + offs_r[None, :],
-                             mask=(valid & (slot == s))[:, None] & (offs_r < R)[None, :], other=0.0)
-            lb = lb_ptr + s * stride_lbs + e * stride_lbe
-            acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
-            if GATED:
-                acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
-                                 BLOCK_R, DOT_PRECISION)
+        r_mask = offs_r < R
+        shrunk_rows = (pair // top_k).to(tl.int64) if SHRUNK_BY_TOKEN else offs_m.to(tl.int64)
+        shrunk_ptrs = shrunk_ptr + shrunk_rows[:, None] * stride_sm + offs_r[None, :]
+        lb_ptrs = lb_ptr + e * stride_lbe + offs_r[:, None] * stride_lbr + offs_n[None, :] * stride_lbn
+        lb_mask = (hi >= lo) & r_mask[:, None] & n_mask[None, :]
+        first = tl.load(shrunk_ptrs, mask=(valid & (slot == lo))[:, None] & r_mask[None, :], other=0.0)
+        first_b = tl.load(lb_ptrs + lo * stride_lbs, mask=lb_mask, other=0.0)
+        if GATED:
+            first_b_up = tl.load(lb_ptrs + lo * stride_lbs + N * stride_lbn, mask=lb_mask, other=0.0)
+    e32 = e.to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if A_TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, k0])
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+        if W_TMA:
+            w = w_ptr.load([e32, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if W_TMA:
+                w_up = w_ptr.load([e32, N + pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+        if not W_TMA:
+            w_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:  # rows of no adapter (and base-only blocks) add nothing: their main-loop sums stay exact
+        if hi >= lo:
+            acc = tl.dot(first.to(first_b.dtype), first_b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up = tl.dot(first.to(first_b.dtype), first_b_up, acc_up, input_precision=DOT_PRECISION)
+            for s in range(lo + 1, hi + 1):  # further slots in the block (rare: a block nearly always has one)
+                shrunk = tl.load(shrunk_ptrs, mask=(valid & (slot == s))[:, None] & r_mask[None, :], other=0.0)
+                lb = lb_ptr + s * stride_lbs + e * stride_lbe
+                acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
+                if GATED:
+                    acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
+                                     BLOCK_R, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -280,8 +374,12 @@ def moe_gemm_kernel(
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if OUT_SORTED:  # every row of the block, padding included, so that A_SORTED reads only written rows
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
+    else:
+        out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 SUM_BLOCK_H = 1024  # columns per program of the sum over k
@@ -314,10 +412,13 @@ def _expert_stride(t: torch.Tensor) -> int:
 
 
 def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
-             token_shrunk=None, bias=None, activation="silu", alpha=1.702, limit=7.0, config):
+             token_shrunk=None, bias=None, activation="silu", alpha=1.702, limit=7.0, config, w_tma=False,
+             a_tma=False, a_sorted=False, out_sorted=False):
     """Launch the grouped GEMM (and, with LoRA, its shrink) over every aligned block. Grids come from
-    host-known sizes only, so the launches can be captured in a CUDA graph. `token_shrunk` [T, R] fp32: the
-    shrink already done per token (an A shared by all experts), so no per-pair shrink runs."""
+    host-known sizes only, so the launches can be captured in a CUDA graph. `token_shrunk` [T, R]: the
+    shrink already done per token (an A shared by all experts), so no per-pair shrink runs. `config`: one GEMM's
+    tiles (MoeConfig.tiles). Layout: `w_tma` / `a_tma` load w / a through TMA descriptors (see tma_ready; a_tma
+    needs a_sorted), `a_sorted` reads a's rows by block row, `out_sorted` writes out's rows by block row."""
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
     BM = config["BLOCK_M"]
@@ -330,15 +431,18 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     elif lora_A is not None:
         R = lora_A.shape[2]
         BLOCK_R = max(16, triton.next_power_of_2(R))
-        shrunk = torch.empty(align.num_blocks * BM, R, dtype=torch.float32, device=a.device)  # [blocks*BM, R]
+        # [blocks*BM, R] in a's dtype: the expand rounds the shrink to the weights' dtype anyway
+        shrunk = torch.empty(align.num_blocks * BM, R, dtype=a.dtype, device=a.device)
         BLOCK_S = triton.next_power_of_2(lora_A.shape[0])  # adapter slots, padded
         all_slots = BLOCK_S * BLOCK_R <= ALL_SLOTS_MAX
-        moe_lora_shrink_kernel[(align.num_blocks,)](
+        rows = min(BM, SHRINK_ROWS)
+        moe_lora_shrink_kernel[(align.num_blocks * (BM // rows),)](
             a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
             align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
             a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
-            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, BLOCK_R=BLOCK_R, BLOCK_M=BM,
-            BLOCK_K=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
+            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, A_SORTED=a_sorted, BLOCK_R=BLOCK_R, ALIGN_M=BM,
+            BLOCK_M=rows, BLOCK_K=shrink_block_k(rows, BLOCK_R, a.dtype),
+            BLOCK_K_WIDE=shrink_block_k(rows, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
             DOT_PRECISION=precision, ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S, num_warps=SHRINK_WARPS,
             num_stages=SHRINK_STAGES)
         lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
@@ -348,15 +452,18 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         lora = (a, a, 0, 0, 0, 0, 0)
     shrunk, lb, *lora_strides = lora
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
+    w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w
+    a_arg = TensorDescriptor.from_tensor(a, [BM, config["BLOCK_K"]]) if a_tma else a
     moe_gemm_kernel[grid](
-        a, w, out, align.sorted_pairs, align.block_expert, align.num_padded,
+        a_arg, w_arg, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
         shrunk, lb, *(t if t is not None else a for t in (align.token_slots, align.block_slot_lo, align.block_slot_hi)),
         bias if bias is not None else a,
         N, K, align.num_pairs, R, top_k, align.num_blocks, alpha, limit,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         *lora_strides, bias.stride(0) if bias is not None else 0,
-        GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=topk_weights is not None,
+        GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, W_TMA=w_tma, A_TMA=a_tma, A_SORTED=a_sorted,
+        OUT_SORTED=out_sorted, MUL_WEIGHT=topk_weights is not None,
         HAS_LORA=lora_B is not None, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=activation == "clamped_swiglu",
         BLOCK_R=BLOCK_R, DOT_PRECISION=precision, SHRUNK_BY_TOKEN=token_shrunk is not None, **config,
     )
@@ -365,14 +472,17 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
 
 def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, config=None,
               lora_meta=None, *, gate_up_bias=None, down_bias=None, activation="silu", alpha=1.702, limit=7.0):
-    """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype. `lora_meta`:
-    the batch's rows grouped by slot (dense_lora.lora_metadata of token_slots), computed here when not given."""
+    """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype. `config`: a
+    MoeConfig (pick_config's by default). `lora_meta`: the batch's rows grouped by slot (dense_lora.lora_metadata
+    of token_slots), computed here when not given."""
     T, k = topk_ids.shape
     E, H, I = w_down.shape
     config = config or pick_config(T, k, E, x.dtype)
+    BM = config.block_m
     num_slots = lora.gate_up_A.shape[0] if lora is not None else 0
-    align = moe_align(topk_ids, E, config["BLOCK_M"], token_slots if lora is not None else None, num_slots)
-    act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)  # [P, I]
+    align = moe_align(topk_ids, E, BM, token_slots if lora is not None else None, num_slots)
+    act_rows = align.num_blocks * BM if config.sorted_act else T * k
+    act = torch.empty(act_rows, I, dtype=x.dtype, device=x.device)  # [P, I], or [NB * BM, I] in block order
     token_shrunk = None
     if lora is not None and lora.gate_up_A.shape[1] == 1:  # gate_up A shared by all experts: shrink per token
         meta = lora_meta if lora_meta is not None else lora_metadata(token_slots, num_slots)
@@ -380,9 +490,12 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k,
              lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
              token_shrunk=token_shrunk, bias=gate_up_bias, activation=activation, alpha=alpha, limit=limit,
-             config=config)
+             config=config.tiles("gate_up"), w_tma=config.w_tma and tma_ready(w_gate_up),
+             out_sorted=config.sorted_act)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
              topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
-             lora_B=lora.down_B if lora is not None else None, bias=down_bias, config=config)
+             lora_B=lora.down_B if lora is not None else None, bias=down_bias, config=config.tiles("down"),
+             w_tma=config.w_tma and tma_ready(w_down), a_sorted=config.sorted_act,
+             a_tma=config.sorted_act and config.w_tma and tma_ready(act))
     return moe_sum(y.view(T, k, H))  # [T, H]

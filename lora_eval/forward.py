@@ -16,6 +16,7 @@ from .kernels.fused_moe import fused_moe_ref
 from .kernels.linear import linear_ref
 from .kernels.rms_norm import rms_norm_ref
 from .kernels.rope import rope_ref
+from .kernels.router import router_topk_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -60,8 +61,8 @@ class Forward:
         return y
 
     # ---- ops ---------------------------------------------------------------------------------------------
-    def linear(self, module, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
+    def linear(self, module, x: torch.Tensor, with_lora: bool = True) -> torch.Tensor:
+        """x [T, in] -> [T, out]; `with_lora=False`: without the rows' LoRA deltas (the caller adds them)."""
         base = F.linear if self.triton else linear_ref
         y = base(x, module.weight, module.bias)  # [T, out]
         if self.stack is None:
@@ -70,7 +71,7 @@ class Forward:
         if override is not None:
             y = self._replace(override, y, lambda rows, p: base(x if rows is None else x[rows], p["weight"],
                                                                    p.get("bias")))
-        lora = self.stack.dense.get(module.site)
+        lora = self.stack.dense.get(module.site) if with_lora else None
         if lora is not None:
             if self.triton:
                 from .kernels.dense_lora import dense_lora
@@ -79,6 +80,27 @@ class Forward:
             else:
                 dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
         return y
+
+    def linears(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
+        """Projections of one input: [linear(m, x) for m in modules]. On the Triton path members of one
+        SharedShrink (adapters/stack.py) shrink x once together, then each expands from its own columns."""
+        shared = self.stack.shared if self.triton and self.stack is not None else {}
+        groups = {id(shared[m.site]): shared[m.site] for m in modules if m.site in shared}
+        group = next(iter(groups.values())) if len(groups) == 1 else None
+        if group is None or any(m.site in self.stack.dense and m.site not in group.columns for m in modules):
+            return [self.linear(m, x) for m in modules]
+        from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
+
+        shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [T, sum R]
+        outs = []
+        for module in modules:
+            y = self.linear(module, x, with_lora=False)  # [T, out]
+            if module.site in group.columns:
+                first, rank = group.columns[module.site]
+                lora = self.stack.dense[module.site]
+                dense_lora_expand(y, shrunk[:, first:first + rank], lora.B, self.meta, slot_mask=lora.slot_mask)
+            outs.append(y)
+        return outs
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
@@ -134,6 +156,15 @@ class Forward:
             lora = None
         return fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
                              self.token_slots, **variant)
+
+    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router: softmax over the experts (float32) -> top-k -> renormalise if asked: logits [T, E] ->
+        weights [T, k] float32, expert ids [T, k]."""
+        if self.triton:
+            from .kernels.router import router_topk
+
+            return router_topk(logits, top_k, renormalize)
+        return router_topk_ref(logits, top_k, renormalize)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
+from lora_eval.kernels import dense_lora
 from lora_eval.models import load_model
 from tests.builders import random_sequences, save_random_peft_adapter, write_expert_adapter
 
@@ -37,14 +38,36 @@ def run(model_dir, adapters, backend, device, dtype, seqs, tags):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the gpu tests run these kernels compiled")
 @pytest.mark.parametrize("with_head_lora", [True, False])
-def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, seed, with_head_lora):
+def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, seed, with_head_lora, monkeypatch):
     """Every Triton kernel of the forward (fused MoE-LoRA, dense and embedding LoRA, fused logprobs when
-    lm_head has no LoRA) through the interpreter, float32 on the CPU."""
+    lm_head has no LoRA) through the interpreter, float32 on the CPU; q/k/v shrink their input once together
+    (q at rank 8 from "heads" and 4 from "peft", k and v at 4: one shrink 16 wide)."""
     seqs = random_sequences(6, VOCAB, seed=seed, max_len=14)
     tags = ["peft", "heads" if with_head_lora else "tinker", "tinker", None, "peft", None]
     ref = run(moe_model, adapters, "torch", "cpu", torch.float32, seqs, tags)
+    widths = []
+    shrink = dense_lora.dense_lora_shrink
+    monkeypatch.setattr(dense_lora, "dense_lora_shrink",
+                        lambda x, A, *args, **kw: widths.append(A.shape[1]) or shrink(x, A, *args, **kw))
     out = run(moe_model, adapters, "triton", "cpu", torch.float32, seqs, tags)
     assert max((a - b).abs().max().item() for a, b in zip(ref, out)) < 1e-4
+    assert 8 + 4 + 4 in widths
+
+
+def test_shared_shrink_stacks_the_projections_of_one_input(moe_model, adapters):
+    """q/k/v: the members' A one after another along the rank, each site's columns recorded, slot mask the union
+    (the "heads" adapter has q only)."""
+    model = load_model(moe_model, dtype=torch.float32)
+    stack = Engine(model, [load_adapter(p, n, model) for n, p in adapters.items()]).stack
+    prefix = "model.layers.0.self_attn"
+    sites = [f"{prefix}.{n}_proj" for n in "qkv"]
+    group = stack.shared[sites[0]]
+    assert all(stack.shared[site] is group for site in sites)
+    assert group.columns == {sites[0]: (0, 8), sites[1]: (8, 4), sites[2]: (12, 4)}
+    for site, (first, rank) in group.columns.items():
+        assert torch.equal(group.A[:, first:first + rank], stack.dense[site].A)
+    assert group.slot_mask.tolist() == [True, True, False]  # peft (q/k/v), heads (q), tinker (experts only)
+    assert f"{prefix}.o_proj" not in stack.shared
 
 
 def k2(ref, out) -> float:

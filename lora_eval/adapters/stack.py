@@ -2,6 +2,8 @@
 
 Every buffer is padded to the largest rank among the adapters at that site; a slot whose adapter has no
 weight there stays zero and is left out of `slots` (and `slot_mask`), so the kernels skip it.
+Projections of one input (a module's `input_groups`, e.g. q/k/v) with LoRA at two or more of them also get
+their A stacked along the rank (`SharedShrink`), so that the GPU path shrinks the input once for all of them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ class DenseLoRA:
     B: torch.Tensor  # [S, out, R], scaling folded in
     slots: frozenset[int]
     slot_mask: torch.Tensor | None = None  # [S] bool on the device: slot has weights here
+
+
+@dataclass
+class SharedShrink:
+    A: torch.Tensor  # [S, sum of the members' R, in]: the members' A one after another
+    columns: dict[str, tuple[int, int]]  # site -> (first column, R) of its shrink in the stacked result
+    slot_mask: torch.Tensor  # [S] bool on the device: the slot has weights at some member
 
 
 @dataclass
@@ -61,6 +70,7 @@ class AdapterStack:
         self.experts: dict[str, ExpertLoRA] = {}
         self.embedding: dict[str, EmbeddingLoRA] = {}
         self.overrides: dict[str, Override] = {}
+        self.shared: dict[str, SharedShrink] = {}  # member site -> its group's stacked shrink
         for site in sorted({s for a in adapters for s in a.dense}):
             have = {i: a.dense[site] for i, a in enumerate(adapters) if site in a.dense}
             A = self._stack(S, {i: f[0] for i, f in have.items()}, rank_dim=0)  # [S, R, in]
@@ -71,6 +81,17 @@ class AdapterStack:
             A = self._stack(S, {i: f[0] for i, f in have.items()}, rank_dim=1)  # [S, V, R]
             B = self._stack(S, {i: f[1] for i, f in have.items()}, rank_dim=1)  # [S, H, R]
             self.embedding[site] = EmbeddingLoRA(A, B, frozenset(have), self._mask(S, have))
+        for module in model.modules():
+            for names in getattr(module, "input_groups", ()):
+                sites = [getattr(module, n).site for n in names if getattr(module, n).site in self.dense]
+                if len(sites) < 2:
+                    continue
+                loras = [self.dense[site] for site in sites]
+                starts = [sum(lora.A.shape[1] for lora in loras[:i]) for i in range(len(loras))]
+                group = SharedShrink(torch.cat([lora.A for lora in loras], dim=1),
+                                     {site: (start, lora.A.shape[1]) for site, start, lora in zip(sites, starts, loras)},
+                                     torch.stack([lora.slot_mask for lora in loras]).any(0))
+                self.shared.update({site: group for site in sites})
         by_site = {m.site: m for m in model.modules() if hasattr(m, "site")}
         for site in sorted({s for a in adapters for s in a.experts}):
             experts = by_site[site]

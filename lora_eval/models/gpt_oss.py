@@ -156,6 +156,8 @@ def rope_inv_freq(head_dim: int, rope: dict, where: str = "config.json") -> torc
 
 
 class Attention(nn.Module):
+    input_groups = qwen3.Attention.input_groups
+
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         prefix = f"model.layers.{index}.self_attn"
@@ -171,9 +173,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, fwd):
         B, L, _ = cos.shape
         T = x.shape[0]
-        q = self.q_proj(x, fwd).view(B, L, self.num_heads, self.head_dim)  # [B, L, nh, D]
-        k = self.k_proj(x, fwd).view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
-        v = self.v_proj(x, fwd).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
+        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
+        q = q.view(B, L, self.num_heads, self.head_dim)  # [B, L, nh, D]
+        k = k.view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
+        v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
         q, k = fwd.rope(q, cos, sin), fwd.rope(k, cos, sin)  # [B, nh, L, D], [B, nkv, L, D]
         out = fwd.attention(q, k, v, self.head_dim**-0.5, sinks=self.sinks, window=self.window)  # [B, nh, L, D]
         out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]

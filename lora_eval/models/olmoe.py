@@ -50,9 +50,8 @@ class Attention(qwen3.Attention):
 
     def project(self, x, fwd):
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x, fwd), fwd)  # [T, nh*D]
-        k = self.k_norm(self.k_proj(x, fwd), fwd)  # [T, nkv*D]
-        v = self.v_proj(x, fwd)  # [T, nkv*D]
+        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
+        q, k = self.q_norm(q, fwd), self.k_norm(k, fwd)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),

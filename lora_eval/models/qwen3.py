@@ -121,6 +121,8 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
+    input_groups = (("q_proj", "k_proj", "v_proj"),)  # projections of one input (adapters/stack.py SharedShrink)
+
     def __init__(self, args: ModelArgs, prefix: str):
         super().__init__()
         H, D, bias = args.hidden_size, args.head_dim, args.attention_bias
@@ -135,9 +137,10 @@ class Attention(nn.Module):
     def project(self, x, fwd):
         """q [T, nh, D], k and v [T, nkv, D] before RoPE (families with other q/k norms override this)."""
         T = x.shape[0]
-        q = self.q_proj(x, fwd).view(T, self.num_heads, self.head_dim)  # [T, nh, D]
-        k = self.k_proj(x, fwd).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
-        v = self.v_proj(x, fwd).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
+        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, nh, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q, fwd), self.k_norm(k, fwd)
         return q, k, v
@@ -155,6 +158,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    input_groups = (("gate_proj", "up_proj"),)
+
     def __init__(self, args: ModelArgs, prefix: str):
         super().__init__()
         H, I, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
@@ -163,7 +168,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(f"{prefix}.down_proj", I, H, bias)
 
     def forward(self, x, fwd):
-        return self.down_proj(F.silu(self.gate_proj(x, fwd)) * self.up_proj(x, fwd), fwd)  # [T, H]
+        gate, up = fwd.linears((self.gate_proj, self.up_proj), x)  # [T, I], [T, I]
+        return self.down_proj(F.silu(gate) * up, fwd)  # [T, H]
 
 
 class SparseMoe(nn.Module):
@@ -175,10 +181,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x, fwd):
         logits = self.gate(x, fwd)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k], [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = fwd.route(logits, self.top_k, self.norm_topk_prob)  # [T, k] float32, [T, k]
         return fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
 
 

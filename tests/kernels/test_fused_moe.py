@@ -10,12 +10,19 @@ import pytest
 import torch
 
 from lora_eval.adapters.stack import ExpertLoRA
-from lora_eval.kernels.fused_moe import SUM_BLOCK_H, fused_moe, fused_moe_ref, moe_gemm, moe_sum
+from lora_eval.kernels.fused_moe import (SUM_BLOCK_H, MoeConfig, fused_moe, fused_moe_ref, moe_gemm, moe_sum,
+                                         pick_config)
 from lora_eval.kernels import fused_moe as fused_moe_module
 from lora_eval.kernels.moe_align import moe_align, moe_align_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (tests/conftest.py)
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
+_TILES = {k: v for k, v in SMALL.items() if k != "BLOCK_M"}
+# operand layouts: pointers; expert weights through TMA descriptors; and the activation in block order read
+# through a descriptor too (kernels/fused_moe.py MoeConfig). The last also has 32-row aligned blocks, which the
+# LoRA shrink does in two programs each (SHRINK_ROWS patched to 16 by the tests).
+LAYOUTS = {"ptr": MoeConfig(16, _TILES, _TILES), "w_tma": MoeConfig(16, _TILES, _TILES, w_tma=True),
+           "sorted_act": MoeConfig(32, _TILES, _TILES, w_tma=True, sorted_act=True)}
 INTERPRETER_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 
@@ -145,10 +152,12 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("shared_outer", [True, False])
 @pytest.mark.parametrize("all_slots", [True, False], ids=["shrink-all-slots", "shrink-per-slot"])
-def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, monkeypatch):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, layout, monkeypatch):
     g = torch.Generator().manual_seed(seed)
-    T, k, E, H, I, S, R = 23, 2, 6, 32, 16, 4, 8
+    T, k, E, H, I, S, R = 61, 2, 6, 32, 16, 4, 8  # ~20 pairs per expert: two shrink programs per 32-row block
     monkeypatch.setattr(fused_moe_module, "ALL_SLOTS_MAX", 128 if all_slots else 0)  # both shrink variants
+    monkeypatch.setattr(fused_moe_module, "SHRINK_ROWS", 16)
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=0)
     weights = weights.to(DEVICE, dtype)
@@ -159,9 +168,9 @@ def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_sl
     slots[slots == 2] = 0  # slot 2 has no rows
     slots[:2] = 3  # the empty slot has rows: they must equal the base model
     slots = slots.to(DEVICE)
-    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=SMALL)
+    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=LAYOUTS[layout])
     ref = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots)
-    base = fused_moe(x, ids, weights, w_gu, w_d, config=SMALL)
+    base = fused_moe(x, ids, weights, w_gu, w_d, config=LAYOUTS[layout])
     assert rel_err(out, ref) < tol
     assert rel_err(base, ref) > 0.05  # the adapters matter, so the test can fail
     no_delta = (slots == -1) | (slots == 3)
@@ -171,7 +180,8 @@ def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_sl
 
 
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
-def test_fused_moe_biases_and_clamped_swiglu(seed, dtype, tol):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_moe_biases_and_clamped_swiglu(seed, dtype, tol, layout):
     """GPT-OSS experts: gate_up and down biases, the clamped SwiGLU (a small limit so that the clamps bite on
     both sides), with LoRA on some rows."""
     g = torch.Generator().manual_seed(seed)
@@ -186,7 +196,8 @@ def test_fused_moe_biases_and_clamped_swiglu(seed, dtype, tol):
     lora = expert_lora(S, E, H, I, R, g, dtype, shared_outer=False)
     slots = torch.randint(-1, S, (T,), generator=g).to(DEVICE)
     kw = dict(activation="clamped_swiglu", alpha=1.702, limit=0.8)
-    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=SMALL, gate_up_bias=b_gu, down_bias=b_d, **kw)
+    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=LAYOUTS[layout], gate_up_bias=b_gu,
+                    down_bias=b_d, **kw)
     ref = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots,
                         gate_up_bias=b_gu.float(), down_bias=b_d.float(), **kw)
     assert rel_err(out, ref) < tol
@@ -205,9 +216,10 @@ def _float(lora):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [64, 1024])
+@pytest.mark.parametrize("T", [64, 1024, 2048, 8192])
 def test_fused_moe_bf16_qwen3_30b_shapes(T):
-    """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; rank 16, 4 adapters; bf16 vs fp32 reference."""
+    """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; rank 16, 4 adapters; bf16 vs fp32 reference. The sizes
+    reach every CONFIGS entry (TMA weights from 1024 tokens, the block-ordered activation at 8192)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     E, k, H, I, S, R = 128, 8, 2048, 768, 4, 16
     dev = "cuda"
