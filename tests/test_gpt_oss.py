@@ -351,16 +351,20 @@ def test_hand_written_adapter_matches_merged_oracle(case, model_dir, base_ref, t
 # --- 4. Triton backend and GPU --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mixed_adapters(model_dir, tmp_path_factory, session_seed):
-    root = tmp_path_factory.mktemp("gpt_oss_adapters")
+def make_mixed_adapters(model_dir, root, seed):
+    """A PEFT all-linear adapter with expert and router target_parameters, and a hand-written fused expert one."""
     return {
-        "peft": save_random_peft_adapter(model_dir, root / "peft", seed=session_seed + 1, r=4, lora_alpha=8,
+        "peft": save_random_peft_adapter(model_dir, root / "peft", seed=seed + 1, r=4, lora_alpha=8,
                                          target_modules="all-linear",
                                          target_parameters=EXPERT_PARAMETERS + ["mlp.router.weight"]),
         "hand": write_expert_adapter(model_dir, root / "hand", layout="fused_interleaved", shared_outer=True,
-                                     seed=session_seed + 2, rank=2)[0],
+                                     seed=seed + 2, rank=2)[0],
     }
+
+
+@pytest.fixture(scope="module")
+def mixed_adapters(model_dir, tmp_path_factory, session_seed):
+    return make_mixed_adapters(model_dir, tmp_path_factory.mktemp("gpt_oss_adapters"), session_seed)
 
 
 def run_on(model_dir, adapters, backend, device, dtype, seqs, tags):
@@ -397,18 +401,26 @@ def test_triton_backend_matches_torch_in_the_interpreter(model_dir, mixed_adapte
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_matches_cpu_float32(model_dir, mixed_adapters, seed):
-    """float32 on CUDA against the CPU engine (k2 < 1e-8); bf16 on CUDA no further from it than the CPU engine's
-    own bf16 run (the precision floor of these deliberately peaked random models: k2 3e-4 to 2e-3 measured)."""
+def test_cuda_engine_matches_cpu_float32(model_dir, mixed_adapters, seed, tmp_path):
+    """float32 on CUDA against the CPU engine (k2 < 1e-8); then bf16 on CUDA as for the other families
+    (tests/test_families.py): k2 below 1e-4 on a model stored in bf16 with milder routing and next-token
+    distributions (router gain 2, lm_head gain 0.5), unless the CPU engine's own bf16 run shows this seed's
+    precision floor is higher (then no more than twice that floor). On the deliberately peaked test model even
+    the CPU's bf16 run is 3e-4 to 2e-3 from float32 (routing flips), too noisy a yardstick."""
     seqs = random_sequences(12, VOCAB, seed=seed, max_len=40)
     tags = ["peft", "hand", None] * 4
     ref = run_on(model_dir, mixed_adapters, "torch", "cpu", torch.float32, seqs, tags)
     fp32 = k2(ref, run_on(model_dir, mixed_adapters, None, "cuda", torch.float32, seqs, tags))
-    bf16 = k2(ref, run_on(model_dir, mixed_adapters, None, "cuda", torch.bfloat16, seqs, tags))
-    floor = k2(ref, run_on(model_dir, mixed_adapters, "torch", "cpu", torch.bfloat16, seqs, tags))
-    print(f"gpt_oss k2 vs CPU float32: cuda float32 {fp32:.3g}, cuda bf16 {bf16:.3g}, cpu bf16 {floor:.3g}")
+    mild = save_random_model(tmp_path / "mild", "gpt_oss", seed=seed, dtype=torch.bfloat16, router_gain=2.0,
+                             lm_head_gain=0.5)
+    adapters = make_mixed_adapters(mild, tmp_path / "mild_adapters", seed)
+    ref = run_on(mild, adapters, "torch", "cpu", torch.float32, seqs, tags)
+    bf16 = k2(ref, run_on(mild, adapters, None, "cuda", torch.bfloat16, seqs, tags))
+    floor = k2(ref, run_on(mild, adapters, "torch", "cpu", torch.bfloat16, seqs, tags))
+    print(f"gpt_oss k2 vs CPU float32: cuda float32 {fp32:.3g}; mild model: cuda bf16 {bf16:.3g}, "
+          f"cpu bf16 {floor:.3g}")
     assert fp32 < 1e-8
-    assert bf16 < 2 * floor + 1e-5
+    assert bf16 < max(1e-4, 2 * floor)
 
 
 # --- 5. CLI ---------------------------------------------------------------------------------------------

@@ -243,3 +243,22 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T):
         fused_moe(x, ids, weights.to(torch.bfloat16), w_gu, w_d, lora, slots)  # no host sync in the launch path
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_pick_config_by_pairs_per_expert():
+    """Small batches keep pointer loads; large ones take TMA weights and the block-ordered activation; float32
+    halves the K step and the pipeline of both GEMMs (4-byte tiles)."""
+    small, large = pick_config(64, 8, 128), pick_config(16384, 8, 128)
+    assert small.block_m == 16 and not small.w_tma and not small.sorted_act
+    assert large.block_m == 128 and large.w_tma and large.sorted_act
+    fp32 = pick_config(16384, 8, 128, torch.float32)
+    assert fp32.block_m == 128 and fp32.w_tma == large.w_tma
+    assert all(getattr(fp32, g)["BLOCK_K"] <= 32 and getattr(fp32, g)["num_stages"] == 2 for g in ("gate_up", "down"))
+    assert large.gate_up["BLOCK_K"] == 64  # the table itself is left alone
+
+
+def test_tma_ready_needs_a_unit_last_stride():
+    w = torch.randn(4, 32, 64)
+    assert fused_moe_module.tma_ready(w)
+    assert not fused_moe_module.tma_ready(w.transpose(1, 2))
+    assert not fused_moe_module.tma_ready(w[:, :, 1:])  # rows 63 elements apart: not 16-byte strides
