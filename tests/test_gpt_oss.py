@@ -55,7 +55,7 @@ EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 def sequences(seed: int, n: int = 5) -> list[list[int]]:
     """Mixed lengths from 2 tokens to well past the sliding window."""
     return random_sequences(n - 2, VOCAB, seed=seed, min_len=2, max_len=12) + \
-        random_sequences(2, VOCAB, seed=seed + 1, min_len=3 * WINDOW, max_len=30)
+        random_sequences(2, VOCAB, seed=seed + 1, min_len=3 * WINDOW + 1, max_len=30)
 
 
 def hf_eager(model_dir):
