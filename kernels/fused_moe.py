@@ -150,10 +150,6 @@ def tma_ready(t: torch.Tensor) -> bool:
 
 SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
 SHRINK_WARPS, SHRINK_STAGES = 4, 3
-# Rows per program of the per-block shrink: a whole aligned block (at most 128 rows). Slicing blocks into 32- or
-# 16-row programs (more programs, fewer K steps each) measured slower: LoRA overhead 1.131 / 1.161 against 1.112
-# at M = 4096 with per-expert factors (benchmarks/moe_lora_variants.py, H100).
-SHRINK_ROWS = 128
 
 
 # The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
@@ -229,23 +225,22 @@ def moe_lora_shrink_kernel(
     a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, token_slots_ptr, block_lo_ptr,
     block_hi_ptr, K, P, R, top_k,
     stride_am, stride_ak, stride_las, stride_lae, stride_lar, stride_lak, stride_sm,
-    ROWS_ARE_TOKENS: tl.constexpr, A_SORTED: tl.constexpr, ALIGN_M: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_K_WIDE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ALL_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr,
+    ROWS_ARE_TOKENS: tl.constexpr, A_SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_K_WIDE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_SLOTS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """shrunk[block rows] = a[rows] @ A[slot of the row, e]^T for one aligned block; blocks without an adapter are
     skipped (their rows are never read). ALL_SLOTS: a block with several slots computes them side by side in one
     pass over K (BLOCK_S * BLOCK_R columns) and each row keeps its own slot's; else (and for a block of one slot,
-    the common case at large M) one pass per slot in the block. A program does BLOCK_M rows of an ALIGN_M-row
-    aligned block (more programs, fewer K steps each: the shrink is latency-bound)."""
-    pid = tl.program_id(0)
-    pid_m = pid // (ALIGN_M // BLOCK_M)  # the aligned block
+    the common case at large M) one pass per slot in the block. One program per aligned block: slicing blocks
+    into 16-64-row programs measured slower (benchmarks/moe_lora_variants.py, BENCHMARKS.md section 1)."""
+    pid_m = tl.program_id(0)
     hi = tl.load(block_hi_ptr + pid_m)
-    if pid_m * ALIGN_M >= tl.load(num_padded_ptr) or hi < 0:
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr) or hi < 0:
         return
     lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * ALIGN_M + (pid % (ALIGN_M // BLOCK_M)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pairs_ptr + offs_m)
     valid = pair < P
     rows = ((pair // top_k) if ROWS_ARE_TOKENS else pair).to(tl.int64)
@@ -419,6 +414,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     shrink already done per token (an A shared by all experts), so no per-pair shrink runs. `config`: one GEMM's
     tiles (MoeConfig.tiles). Layout: `w_tma` / `a_tma` load w / a through TMA descriptors (see tma_ready; a_tma
     needs a_sorted), `a_sorted` reads a's rows by block row, `out_sorted` writes out's rows by block row."""
+    assert a_sorted or not a_tma, "a TMA descriptor reads a by block row: a_tma needs a_sorted"
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
     BM = config["BLOCK_M"]
@@ -435,14 +431,13 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         shrunk = torch.empty(align.num_blocks * BM, R, dtype=a.dtype, device=a.device)
         BLOCK_S = triton.next_power_of_2(lora_A.shape[0])  # adapter slots, padded
         all_slots = BLOCK_S * BLOCK_R <= ALL_SLOTS_MAX
-        rows = min(BM, SHRINK_ROWS)
-        moe_lora_shrink_kernel[(align.num_blocks * (BM // rows),)](
+        moe_lora_shrink_kernel[(align.num_blocks,)](
             a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
             align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
             a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
-            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, A_SORTED=a_sorted, BLOCK_R=BLOCK_R, ALIGN_M=BM,
-            BLOCK_M=rows, BLOCK_K=shrink_block_k(rows, BLOCK_R, a.dtype),
-            BLOCK_K_WIDE=shrink_block_k(rows, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
+            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, A_SORTED=a_sorted, BLOCK_R=BLOCK_R, BLOCK_M=BM,
+            BLOCK_K=shrink_block_k(BM, BLOCK_R, a.dtype),
+            BLOCK_K_WIDE=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
             DOT_PRECISION=precision, ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S, num_warps=SHRINK_WARPS,
             num_stages=SHRINK_STAGES)
         lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),

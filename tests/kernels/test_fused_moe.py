@@ -19,10 +19,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton inter
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 _TILES = {k: v for k, v in SMALL.items() if k != "BLOCK_M"}
 # operand layouts: pointers; expert weights through TMA descriptors; and the activation in block order read
-# through a descriptor too (kernels/fused_moe.py MoeConfig). The last also has 32-row aligned blocks, which the
-# LoRA shrink does in two programs each (SHRINK_ROWS patched to 16 by the tests).
+# through a descriptor too (kernels/fused_moe.py MoeConfig)
 LAYOUTS = {"ptr": MoeConfig(16, _TILES, _TILES), "w_tma": MoeConfig(16, _TILES, _TILES, w_tma=True),
-           "sorted_act": MoeConfig(32, _TILES, _TILES, w_tma=True, sorted_act=True)}
+           "sorted_act": MoeConfig(16, _TILES, _TILES, w_tma=True, sorted_act=True)}
 INTERPRETER_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 
@@ -155,9 +154,8 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, layout, monkeypatch):
     g = torch.Generator().manual_seed(seed)
-    T, k, E, H, I, S, R = 61, 2, 6, 32, 16, 4, 8  # ~20 pairs per expert: two shrink programs per 32-row block
+    T, k, E, H, I, S, R = 61, 2, 6, 32, 16, 4, 8  # ~20 pairs per expert: several blocks each
     monkeypatch.setattr(fused_moe_module, "ALL_SLOTS_MAX", 128 if all_slots else 0)  # both shrink variants
-    monkeypatch.setattr(fused_moe_module, "SHRINK_ROWS", 16)
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=0)
     weights = weights.to(DEVICE, dtype)
