@@ -1,11 +1,13 @@
 """Tile sweep of the dense multi-LoRA shrink and expand (kernels/dense_lora.py) at Qwen3-30B-A3B's projection
 shapes, 4 x 1024 tokens, 4 adapter slots with every row in one (the end-to-end bench's lora-1 case), bf16.
 
-    python benchmarks/dense_lora_tiles.py [--tokens 4096]
+    python benchmarks/dense_lora_tiles.py [--tokens 4096] [--sections shrink,expand,head-norm]
 
 Shrink shapes: q/k/v's shared shrink (in 2048, R 48), o_proj (in 4096, R 16), router (in 2048, R 16); expand
 shapes: q (out 4096), k or v (out 512), o (out 2048), router (out 128), R 16. Prints the current tiles' time, the
-best, and a copy of the same bytes for scale. CUDA-graph replays, median.
+best, and a copy of the same bytes for scale. Head norm: q's and k's expand + per-head RMSNorm in one kernel
+(kernels/rms_norm.py lora_head_norm) by tokens per program, against the expand then the norm. CUDA-graph replays,
+median.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import itertools
 import torch
 import triton
 
+from lora_eval.kernels import rms_norm as norms
 from lora_eval.kernels.dense_lora import BLOCKS, dense_lora_expand, dense_lora_shrink, lora_metadata
 
 SLOTS = 4
@@ -29,9 +32,45 @@ def time_graph(fn):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--sections", default="shrink,expand,head-norm")
     args = parser.parse_args()
     T, bf = args.tokens, torch.bfloat16
     meta = lora_metadata(torch.zeros(T, dtype=torch.long, device="cuda"), SLOTS)
+    sections = args.sections.split(",")
+    if "shrink" in sections:
+        shrinks(T, meta)
+    if "expand" in sections:
+        expands(T, meta)
+    if "head-norm" in sections:
+        head_norms(T, meta)
+
+
+def head_norms(T, meta, D=128):
+    kept = norms.HEAD_NORM_TOKENS
+    for name, heads in (("q head norm", 32), ("k head norm", 4)):
+        y = torch.randn(T, heads * D, device="cuda", dtype=torch.bfloat16)
+        shrunk = torch.randn(T, 16, device="cuda")
+        B = torch.randn(SLOTS, heads * D, 16, device="cuda", dtype=torch.bfloat16) / 4
+        w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
+
+        def unfused():
+            z = y.clone()  # the expand writes into the projection: the clone is timed too, and subtracted below
+            dense_lora_expand(z, shrunk, B, meta)
+            return norms.rms_norm(z.view(T, heads, D), w, 1e-6)
+
+        clone = time_graph(lambda: y.clone())
+        cells = [f"expand then norm {(time_graph(unfused) - clone) * 1e3:.1f} us"]
+        for tokens in (16, 32, 64, 128):
+            norms.HEAD_NORM_TOKENS = tokens
+            fused = time_graph(lambda: norms.lora_head_norm(y, shrunk, B, w, 1e-6, meta.row_slot))
+            cells.append(f"fused at {tokens} tokens {fused * 1e3:.1f} us")
+        norms.HEAD_NORM_TOKENS = kept
+        plain = time_graph(lambda: norms.rms_norm(y.view(T, heads, D), w, 1e-6))
+        print(f"{name}: " + "; ".join(cells) + f"; the norm alone {plain * 1e3:.1f} us", flush=True)
+
+
+def shrinks(T, meta):
+    bf = torch.bfloat16
     for name, K, R in (("q/k/v shrink", 2048, 48), ("o shrink", 4096, 16), ("router shrink", 2048, 16)):
         x = torch.randn(T, K, device="cuda", dtype=bf)
         A = torch.randn(SLOTS, R, K, device="cuda", dtype=bf) / K**0.5
@@ -47,6 +86,10 @@ def main():
         copy = time_graph(lambda: x.clone())
         print(f"{name}: current {BLOCKS['shrink']} {current * 1e3:.1f} us; best BLOCK_M/BLOCK_K/warps/stages {best} "
               f"{results[best] * 1e3:.1f} us; copy of x {copy * 1e3:.1f} us", flush=True)
+
+
+def expands(T, meta):
+    bf = torch.bfloat16
     for name, N in (("q expand", 4096), ("k/v expand", 512), ("o expand", 2048), ("router expand", 128)):
         y = torch.randn(T, N, device="cuda", dtype=bf)
         shrunk = torch.randn(T, 16, device="cuda")

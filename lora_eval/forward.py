@@ -81,26 +81,39 @@ class Forward:
                 dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
         return y
 
-    def linears(self, modules, x: torch.Tensor) -> list[torch.Tensor]:
+    def linears(self, modules, x: torch.Tensor, head_norms=None) -> list[torch.Tensor]:
         """Projections of one input: [linear(m, x) for m in modules]. On the Triton path members of one
-        SharedShrink (adapters/stack.py) shrink x once together, then each expands from its own columns."""
+        SharedShrink (adapters/stack.py) shrink x once together, then each expands from its own columns.
+        `head_norms`: per module an RMSNorm over each head of its output (Qwen3's q_norm / k_norm) or None; such
+        an output comes back normed, [T, heads, D], and on the Triton path its LoRA expand runs inside the norm
+        (kernels/rms_norm.py lora_head_norm)."""
+        head_norms = head_norms or (None,) * len(modules)
         shared = self.stack.shared if self.triton and self.stack is not None else {}
         groups = {id(shared[m.site]): shared[m.site] for m in modules if m.site in shared}
         group = next(iter(groups.values())) if len(groups) == 1 else None
         if group is None or any(m.site in self.stack.dense and m.site not in group.columns for m in modules):
-            return [self.linear(m, x) for m in modules]
+            return [self._head_norm(norm, self.linear(m, x)) for m, norm in zip(modules, head_norms)]
         from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
+        from .kernels.rms_norm import lora_head_norm
 
         shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [T, sum R]
         outs = []
-        for module in modules:
+        for module, norm in zip(modules, head_norms):
             y = self.linear(module, x, with_lora=False)  # [T, out]
             if module.site in group.columns:
                 first, rank = group.columns[module.site]
                 lora = self.stack.dense[module.site]
+                if norm is not None and norm.site not in self.stack.overrides:
+                    outs.append(lora_head_norm(y, shrunk[:, first:first + rank], lora.B, norm.weight, norm.eps,
+                                               self.meta.row_slot, lora.slot_mask))  # [T, heads, D]
+                    continue
                 dense_lora_expand(y, shrunk[:, first:first + rank], lora.B, self.meta, slot_mask=lora.slot_mask)
-            outs.append(y)
+            outs.append(self._head_norm(norm, y))
         return outs
+
+    def _head_norm(self, norm, y: torch.Tensor) -> torch.Tensor:
+        """y [T, heads * D] -> norm over each head, [T, heads, D] (y itself when norm is None)."""
+        return y if norm is None else self.norm(norm, y.view(y.shape[0], -1, norm.weight.shape[0]))
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         if self.triton:

@@ -9,7 +9,7 @@ import torch
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.kernels import dense_lora
+from lora_eval.kernels import dense_lora, rms_norm
 from lora_eval.models import load_model
 from tests.builders import random_sequences, save_random_model, save_random_peft_adapter, write_expert_adapter
 from tests.conftest import MOE_OVERRIDES
@@ -47,7 +47,8 @@ def run(model_dir, adapters, backend, device, dtype, seqs, tags):
 def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, seed, with_head_lora, monkeypatch):
     """Every Triton kernel of the forward (fused MoE-LoRA, dense and embedding LoRA, fused logprobs when
     lm_head has no LoRA) through the interpreter, float32 on the CPU; q/k/v shrink their input once together
-    (q at rank 8 from "heads" and 4 from "peft", k and v at 4: one shrink 16 wide)."""
+    (q at rank 8 from "heads" and 4 from "peft", k and v at 4: one shrink 16 wide), and q and k expand inside
+    their per-head norm (lora_head_norm) while v expands on its own."""
     seqs = random_sequences(6, VOCAB, seed=seed, max_len=14)
     tags = ["peft", "heads" if with_head_lora else "tinker", "tinker", None, "peft", None]
     ref = run(moe_model, adapters, "torch", "cpu", torch.float32, seqs, tags)
@@ -55,9 +56,16 @@ def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, se
     shrink = dense_lora.dense_lora_shrink
     monkeypatch.setattr(dense_lora, "dense_lora_shrink",
                         lambda x, A, *args, **kw: widths.append(A.shape[1]) or shrink(x, A, *args, **kw))
+    head_norm_widths = []
+    head_norm = rms_norm.lora_head_norm
+    monkeypatch.setattr(rms_norm, "lora_head_norm",
+                        lambda y, *args, **kw: head_norm_widths.append(y.shape[1]) or head_norm(y, *args, **kw))
     out = run(moe_model, adapters, "triton", "cpu", torch.float32, seqs, tags)
     assert max((a - b).abs().max().item() for a, b in zip(ref, out)) < 1e-4
     assert 8 + 4 + 4 in widths
+    config = load_model(moe_model, dtype=torch.float32).args
+    q_width, k_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    assert q_width in head_norm_widths and k_width in head_norm_widths
 
 
 def test_shared_shrink_stacks_the_projections_of_one_input(moe_model, adapters):

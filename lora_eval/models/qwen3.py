@@ -137,12 +137,11 @@ class Attention(nn.Module):
     def project(self, x, fwd):
         """q [T, nh, D], k and v [T, nkv, D] before RoPE (families with other q/k norms override this)."""
         T = x.shape[0]
-        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
+        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x,
+                              head_norms=(self.q_norm, self.k_norm, None))  # q, k normed per head when qk_norm
         q = q.view(T, self.num_heads, self.head_dim)  # [T, nh, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, fwd), self.k_norm(k, fwd)
         return q, k, v
 
     def forward(self, x, cos, sin, fwd):

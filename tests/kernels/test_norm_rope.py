@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_eval.kernels.rms_norm import ROWS_PER_PROGRAM, rms_norm, rms_norm_ref
+from lora_eval.kernels.rms_norm import HEAD_NORM_TOKENS, ROWS_PER_PROGRAM, lora_head_norm, rms_norm, rms_norm_ref
 from lora_eval.kernels.rope import POSITIONS_PER_PROGRAM, rope, rope_ref
 from lora_eval.models.layers import rope_cos_sin
 
@@ -27,6 +27,34 @@ def test_rms_norm_matches_reference(seed, dtype, tol):
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
     heads = rms_norm(x.view(M, 3, 16), w[:16], 1e-6)  # per-head norm over the last dim of a 3D view
     assert torch.allclose(heads.float(), rms_norm_ref(x.view(M, 3, 16), w[:16], 1e-6).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_lora_head_norm_matches_expand_then_norm(seed, dtype, tol):
+    """LoRA expand + per-head RMSNorm in one pass against the expand then rms_norm_ref: rows of 3 slots (one
+    masked off: no weights at this site) and of none, a program holding two slots, R not a power of two, a head
+    dim that is not one either; rows without a delta equal the plain Triton norm bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    T, heads, D, S, R = 2 * HEAD_NORM_TOKENS + 5, 3, 24, 3, 5
+    y = (2 * torch.randn(T, heads * D, generator=g)).to(DEVICE, dtype)
+    shrunk = torch.randn(T, R + 2, generator=g).to(DEVICE, dtype)[:, 1:R + 1]  # a column view, as the q/k/v split
+    B = (0.5 * torch.randn(S, heads * D, R, generator=g)).to(DEVICE, dtype)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(DEVICE, dtype)
+    slots = torch.randint(-1, S, (T,), generator=g)
+    slots[HEAD_NORM_TOKENS - 3:HEAD_NORM_TOKENS + 3] = torch.tensor([0, 0, 0, 1, 1, 1])  # across a program edge
+    slot_mask = torch.tensor([True, False, True], device=DEVICE)  # slot 1 has no weights here
+    out = lora_head_norm(y, shrunk, B, w, 1e-6, slots.to(DEVICE, torch.int32), slot_mask)
+    ref_y = y.float().clone()  # [T, heads * D]
+    for s in (0, 2):
+        rows = (slots == s).nonzero().squeeze(1).to(DEVICE)
+        ref_y[rows] += shrunk[rows].to(B.dtype).float() @ B[s].float().T
+    ref = rms_norm_ref(ref_y.to(dtype).view(T, heads, D), w, 1e-6)
+    assert out.shape == (T, heads, D) and out.dtype == ref.dtype
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
+    plain = rms_norm(y.view(T, heads, D), w, 1e-6)
+    untouched = ((slots == -1) | (slots == 1)).to(DEVICE)
+    assert torch.equal(out[untouched], plain[untouched])  # no delta: the plain norm, bit for bit
+    assert (out[~untouched].float() - plain[~untouched].float()).abs().max() > 0.05  # the deltas matter
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
