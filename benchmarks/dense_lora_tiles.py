@@ -5,9 +5,9 @@ shapes, 4 x 1024 tokens, 4 adapter slots with every row in one (the end-to-end b
 
 Shrink shapes: q/k/v's shared shrink (in 2048, R 48), o_proj (in 4096, R 16), router (in 2048, R 16); expand
 shapes: q (out 4096), k or v (out 512), o (out 2048), router (out 128), R 16. Prints the current tiles' time, the
-best, and a copy of the same bytes for scale. Head norm: q's and k's expand + per-head RMSNorm in one kernel
-(kernels/rms_norm.py lora_head_norm) by tokens per program, against the expand then the norm. CUDA-graph replays,
-median.
+best, and a copy of the same bytes for scale. Head norm: q's and k's per-head RMSNorm + RoPE in one kernel
+(kernels/head_norm_rope.py), with and without the LoRA expand inside, by tokens per program, against the separate
+kernels. CUDA-graph replays, median.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import itertools
 import torch
 import triton
 
-from lora_eval.kernels import rms_norm as norms
+from lora_eval.kernels import head_norm_rope as hnr
 from lora_eval.kernels.dense_lora import BLOCKS, dense_lora_expand, dense_lora_shrink, lora_metadata
+from lora_eval.kernels.rms_norm import rms_norm
+from lora_eval.kernels.rope import rope
+from lora_eval.models.layers import rope_cos_sin
 
 SLOTS = 4
 
@@ -45,28 +48,35 @@ def main():
         head_norms(T, meta)
 
 
-def head_norms(T, meta, D=128):
-    kept = norms.HEAD_NORM_TOKENS
-    for name, heads in (("q head norm", 32), ("k head norm", 4)):
+def head_norms(T, meta, D=128, batch=4):
+    """q's / k's per-head norm + RoPE (kernels/head_norm_rope.py) by tokens per program, with and without the LoRA
+    expand inside, against the separate kernels (expand, rms_norm, rope)."""
+    kept = hnr.TOKENS_PER_PROGRAM
+    L = T // batch
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device="cuda") / D))
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(L, device="cuda").expand(batch, L), torch.bfloat16)
+    for name, heads in (("q", 32), ("k", 4)):
         y = torch.randn(T, heads * D, device="cuda", dtype=torch.bfloat16)
         shrunk = torch.randn(T, 16, device="cuda")
         B = torch.randn(SLOTS, heads * D, 16, device="cuda", dtype=torch.bfloat16) / 4
         w = torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5
 
-        def unfused():
+        def apart(with_lora):
             z = y.clone()  # the expand writes into the projection: the clone is timed too, and subtracted below
-            dense_lora_expand(z, shrunk, B, meta)
-            return norms.rms_norm(z.view(T, heads, D), w, 1e-6)
+            if with_lora:
+                dense_lora_expand(z, shrunk, B, meta)
+            return rope(rms_norm(z.view(T, heads, D), w, 1e-6).view(batch, L, heads, D), cos, sin)
 
         clone = time_graph(lambda: y.clone())
-        cells = [f"expand then norm {(time_graph(unfused) - clone) * 1e3:.1f} us"]
-        for tokens in (16, 32, 64, 128):
-            norms.HEAD_NORM_TOKENS = tokens
-            fused = time_graph(lambda: norms.lora_head_norm(y, shrunk, B, w, 1e-6, meta.row_slot))
-            cells.append(f"fused at {tokens} tokens {fused * 1e3:.1f} us")
-        norms.HEAD_NORM_TOKENS = kept
-        plain = time_graph(lambda: norms.rms_norm(y.view(T, heads, D), w, 1e-6))
-        print(f"{name}: " + "; ".join(cells) + f"; the norm alone {plain * 1e3:.1f} us", flush=True)
+        cells = [f"apart: base {(time_graph(lambda: apart(False)) - clone) * 1e3:.1f} us, "
+                 f"LoRA {(time_graph(lambda: apart(True)) - clone) * 1e3:.1f} us"]
+        for tokens in (16, 32, 64):
+            hnr.TOKENS_PER_PROGRAM = tokens
+            base = time_graph(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin))
+            lora = time_graph(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin, lora=(shrunk, B, meta.row_slot, None)))
+            cells.append(f"fused at {tokens} tokens: base {base * 1e3:.1f} us, LoRA {lora * 1e3:.1f} us")
+        hnr.TOKENS_PER_PROGRAM = kept
+        print(f"{name} norm + rope ({heads} heads): " + "; ".join(cells), flush=True)
 
 
 def shrinks(T, meta):

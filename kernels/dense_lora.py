@@ -11,6 +11,8 @@ The plain-torch references come first; the Triton kernels follow. Their metadata
   LoraMeta.row_slot [T]         int32 token_slots as given
   shrunk [T, R] float32         x @ A[s]^T, written only for the rows of (unmasked) slots
   slot_mask [S] (optional)      nonzero: the slot has weights at this site; rows of the others are skipped
+lora_residual_add: h + (y + shrunk @ B[slot]^T) in one pass, for a projection whose output goes straight into the
+residual stream (o_proj): the expand without its own read-add-write of y.
 """
 
 from __future__ import annotations
@@ -226,6 +228,75 @@ def dense_lora(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     """The Triton counterpart of `dense_lora_ref`: y[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T, in place."""
     shrunk = dense_lora_shrink(x, A, meta, slot_mask=slot_mask)
     return dense_lora_expand(y, shrunk, B, meta, slot_mask=slot_mask)
+
+
+def lora_residual_add_ref(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor, B: torch.Tensor,
+                          groups: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """h + (y + shrunk @ B[slot]^T), the delta rounded into y's dtype first (as an in-place expand would leave
+    it); rows outside `groups` get h + y."""
+    y = y.clone()
+    for slot, rows in groups:
+        y.index_add_(0, rows, linear_ref(shrunk[rows].to(B.dtype), B[slot]))  # [n, out]
+    return h + y
+
+
+# rows x columns per program of lora_residual_add, grid (cdiv(T, BLOCK_M), cdiv(out, BLOCK_N))
+RESIDUAL_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
+
+
+@triton.jit
+def _residual_add_kernel(h_ptr, y_ptr, s_ptr, b_ptr, out_ptr, row_slot_ptr, slot_mask_ptr, T, N, R, S,
+                         stride_hm, stride_ym, stride_sm, stride_sr, stride_bs, stride_bn, stride_br, stride_om,
+                         HAS_SLOT_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """out = h + (y + shrunk @ B[slot]^T) for a BLOCK_M x BLOCK_N tile; each row its own slot's delta (or none)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_r = tl.arange(0, BLOCK_R)  # [BR]
+    row_mask = rows < T
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=-1)  # [BM]
+    if HAS_SLOT_MASK:
+        weighted = tl.load(slot_mask_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+        slot = tl.where(weighted != 0, slot, -1)
+    lo = tl.min(tl.where(slot >= 0, slot, S), axis=0)
+    hi = tl.max(slot, axis=0)
+    y = tl.load(y_ptr + rows64 * stride_ym + cols[None, :], mask=mask, other=0.0)  # [BM, BN]
+    acc = y.to(tl.float32)
+    for s in range(lo, hi + 1):  # a tile's rows nearly always share one slot
+        part = tl.load(s_ptr + rows64 * stride_sm + offs_r[None, :] * stride_sr,
+                       mask=(slot == s)[:, None] & (offs_r < R)[None, :], other=0.0)  # [BM, BR]
+        b = tl.load(b_ptr + s * stride_bs + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                    mask=(offs_r < R)[:, None] & (cols < N)[None, :], other=0.0)  # [BR, BN]
+        acc = tl.dot(part.to(b.dtype), b, acc, input_precision="ieee")  # rows of other slots add exact zeros
+    y = acc.to(y.dtype)  # the projection with its delta, rounded as an in-place expand stores it
+    h = tl.load(h_ptr + rows64 * stride_hm + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rows64 * stride_om + cols[None, :],
+             (h.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_residual_add(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,
+                      slot_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton counterpart of `lora_residual_add_ref`, one pass over y and h (an in-place expand then the add
+    would read and write y once more): h [T, out], y [T, out] (last dims contiguous), shrunk [T, R] (any
+    strides), B [S, out, R] -> [T, out] in the dtype of h + y. Rows of no (or a masked) slot: h + y, bit for bit
+    torch's sum."""
+    T, N = y.shape
+    S, _, R = B.shape
+    if h.shape != y.shape or h.stride(-1) != 1 or y.stride(-1) != 1 or B.shape[1] != N or shrunk.shape != (T, R):
+        raise ValueError(f"lora_residual_add: h {tuple(h.shape)}, y {tuple(y.shape)}, shrunk {tuple(shrunk.shape)}, "
+                         f"B {tuple(B.shape)}")
+    out = torch.empty(T, N, dtype=torch.promote_types(h.dtype, y.dtype), device=y.device)
+    if T == 0:
+        return out
+    config = RESIDUAL_BLOCKS
+    mask, has_mask = (slot_mask, True) if slot_mask is not None else (meta.row_slot, False)
+    _residual_add_kernel[(_cdiv(T, config["BLOCK_M"]), _cdiv(N, config["BLOCK_N"]))](
+        h, y, shrunk, B, out, meta.row_slot, mask, T, N, R, S, h.stride(0), y.stride(0), shrunk.stride(0),
+        shrunk.stride(1), B.stride(0), B.stride(1), B.stride(2), out.stride(0), HAS_SLOT_MASK=has_mask,
+        BLOCK_R=_block_r(R), **config)
+    return out
 
 
 def embedding_lora(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,

@@ -13,7 +13,9 @@ loader, so both systems run the same adapters on the same batches. Cases, per ba
                 what a user has to do; with attention-only targets PEFT runs one mixed pass (`adapter_names`).
   no-lora-rows  adapters loaded, every row base. hf: the PEFT model under `disable_adapter()`.
 
-Each case: warm-up calls, then `repeat` timed calls (synchronised), the median. A call is the whole job: token
+Each case: warm-up calls, then `repeat` timed calls (synchronised), the median. Our engine's cases are timed
+interleaved, one call of each case per round (`measure_interleaved`), so that a drift of the GPU's clocks during the
+run does not land on one case: their ratios to our base come from the same minutes. A call is the whole job: token
 lists in, float32 logprobs of every next token on the CPU out (hf: forward, log_softmax over the vocabulary,
 gather). FLOPs count useful work only, the same for both systems: 2 x active matmul parameters per token (attention
 and MLP projections, the router, top-k experts, lm_head; the embedding lookup is free) x tokens, plus the adapter's
@@ -253,6 +255,56 @@ def measure(call, device: torch.device, warmup: int, repeat: int) -> Timing:
     return timing
 
 
+def warm_up(calls: dict, device: torch.device, warmup: int) -> dict:
+    """The warm-up calls of each of several calls, with the peak memory each reaches: {key: Timing}. A call
+    that runs out of memory is recorded (status) and timed no further."""
+    cuda = device.type == "cuda"
+    timings = {}
+    for key, call in calls.items():
+        timing = timings[key] = Timing()
+        if cuda:
+            torch.cuda.synchronize(device)
+            timing.resident_gb = torch.cuda.memory_allocated(device) / 1e9
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            for _ in range(warmup):
+                call()
+            if cuda:
+                timing.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
+        except torch.OutOfMemoryError as e:
+            timing.status = f"oom: {str(e).splitlines()[0][:160]}"
+            free_memory(device)
+    return timings
+
+
+def time_interleaved(calls: dict, timings: dict, device: torch.device, repeat: int, stats=None) -> None:
+    """`repeat` rounds of one synchronised timed call of each (warmed-up, not out-of-memory) call; per key the
+    median into timings[key].seconds. `stats(key)` (optional): the graph runner's counters behind that call, for a
+    note of what it did. Interleaving puts a drift of the GPU's clocks on every case alike."""
+    cuda = device.type == "cuda"
+    keys = [key for key in calls if timings[key].status == "ok"]
+    times = {key: [] for key in keys}
+    counts = {key: dict(replays=0, eager_batches=0) for key in keys}
+    for _ in range(repeat):
+        for key in keys:
+            before = stats(key) if stats is not None else {}
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            timings[key].output = calls[key]()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times[key].append(time.perf_counter() - start)
+            after = stats(key) if stats is not None else {}
+            for name in counts[key]:
+                counts[key][name] += after.get(name, 0) - before.get(name, 0)
+            if after:
+                timings[key].note = (f"graphs: {counts[key]['replays']} replayed, {counts[key]['eager_batches']} "
+                                     f"eager, pool {after.get('graph_memory_bytes', 0) / 1e9:.2f} GB")
+    for key in keys:
+        timings[key].seconds = statistics.median(times[key])
+
+
 def free_memory(device: torch.device) -> None:
     """Hand cached device memory back between phases (the next phase's peak is its own)."""
     if device.type == "cuda":
@@ -305,29 +357,13 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
         env = dict(hf_experts=getattr(hf.config, "_experts_implementation", None),
                    hf_attention=getattr(hf.config, "_attn_implementation", None))
 
-        def run_ours(engine, system, cases):
-            for batch, case, tags in plan:
-                if case in cases:
-                    rows = token_rows[batch]
-                    before = _graph_stats(engine)
-                    timing = measure(lambda: torch.stack(engine.logprobs(Batch(rows, tags))), dev, warmup, repeat)
-                    timing.note = _graph_note(before, _graph_stats(engine))
-                    results[system, batch, case] = timing
+        # 1. transformers' base model (ours is timed with its other cases, interleaved, in 3.)
+        if "hf" in systems:
+            for batch, case, _ in plan:
+                if case == "base":
+                    results["hf", batch, "base"] = measure(
+                        lambda model=hf, rows=token_rows[batch]: hf_logprobs(model, rows, dev), dev, warmup, repeat)
                     bar.update(1)
-
-        # 1. base: both systems without adapters
-        for system in systems:
-            if system == "hf":
-                for batch, case, _ in plan:
-                    if case == "base":
-                        results["hf", batch, "base"] = measure(
-                            lambda model=hf, rows=token_rows[batch]: hf_logprobs(model, rows, dev), dev, warmup, repeat)
-                        bar.update(1)
-            else:
-                engine = Engine(ours_model, [], backend=backend, cuda_graphs=system == "ours")
-                run_ours(engine, system, {"base"})
-                del engine
-                free_memory(dev)
         # 2. adapters made by PEFT; the hf cases run while only PEFT holds adapters on the device
         peft_model, note = make_peft_adapters(hf, names, rank, targets, seed)
         peft_model.save_pretrained(tmp)
@@ -344,13 +380,31 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
                 bar.update(1)
         del peft_model, hf
         free_memory(dev)
-        # 3. our engine over the same adapters, read back from PEFT's files
+        # 3. our engine: the base cases warmed up first (their peak memory without adapters), then the adapters
+        # read back from PEFT's files; per system its other cases warmed up, then all its cases timed interleaved
+        ours_systems = [s for s in systems if s != "hf"]
+        base_engines = {system: Engine(ours_model, [], backend=backend, cuda_graphs=system == "ours")
+                        for system in ours_systems}
+        base_calls = {(system, batch, case): (lambda engine=base_engines[system], rows=token_rows[batch]:
+                                              torch.stack(engine.logprobs(Batch(rows, [None] * len(rows)))))
+                      for system in ours_systems for batch, case, _ in plan if case == "base"}
+        timings = warm_up(base_calls, dev, warmup)
         loaded = [load_adapter(Path(tmp) / name, name, ours_model) for name in names]
-        for system in [s for s in systems if s != "hf"]:
+        for system in ours_systems:
             engine = Engine(ours_model, loaded, backend=backend, cuda_graphs=system == "ours")
-            run_ours(engine, system, {c for _, c, _ in plan if c != "base"})
-            del engine
+            calls = {(system, batch, case): (lambda rows=token_rows[batch], tags=tags:
+                                             torch.stack(engine.logprobs(Batch(rows, tags))))
+                     for batch, case, tags in plan if case != "base"}
+            timings.update(warm_up(calls, dev, warmup))
+            calls.update({key: call for key, call in base_calls.items() if key[0] == system})
+            time_interleaved(calls, timings, dev, repeat,
+                             stats=lambda key: _graph_stats(base_engines[system] if key[2] == "base" else engine))
+            bar.update(len(calls))
+            del engine, calls
             free_memory(dev)
+        results.update(timings)
+        del base_engines, base_calls
+        free_memory(dev)
         bar.close()
 
     lora_params = adapter_active_params(loaded[0], ours_model.args.top_k)
@@ -422,16 +476,6 @@ def _frame(plan, systems, results, passes, token_rows, model, lora_params, note)
 def _graph_stats(engine) -> dict:
     stats = getattr(engine, "graph_stats", None)
     return (stats() if stats is not None else None) or {}
-
-
-def _graph_note(before: dict, after: dict) -> str:
-    """What the CUDA-graph runner did during one case (empty without graphs)."""
-    if not after:
-        return ""
-    replays = after.get("replays", 0) - before.get("replays", 0)
-    eager = after.get("eager_batches", 0) - before.get("eager_batches", 0)
-    pool = after.get("graph_memory_bytes", 0) / 1e9
-    return f"graphs: {replays} replayed, {eager} eager, pool {pool:.2f} GB"
 
 
 def _device_name(device: torch.device) -> str:

@@ -61,12 +61,14 @@ class Forward:
         return y
 
     # ---- ops ---------------------------------------------------------------------------------------------
-    def linear(self, module, x: torch.Tensor, with_lora: bool = True) -> torch.Tensor:
-        """x [T, in] -> [T, out]; `with_lora=False`: without the rows' LoRA deltas (the caller adds them)."""
+    def linear(self, module, x: torch.Tensor, with_lora: bool = True, residual: torch.Tensor | None = None):
+        """x [T, in] -> [T, out]; `with_lora=False`: without the rows' LoRA deltas (the caller adds them);
+        `residual` [T, out]: return residual + the projection (on the Triton path the LoRA expand runs inside that
+        sum: dense_lora.lora_residual_add)."""
         base = F.linear if self.triton else linear_ref
         y = base(x, module.weight, module.bias)  # [T, out]
         if self.stack is None:
-            return y
+            return y if residual is None else residual + y
         override = self.stack.overrides.get(module.site)
         if override is not None:
             y = self._replace(override, y, lambda rows, p: base(x if rows is None else x[rows], p["weight"],
@@ -74,27 +76,30 @@ class Forward:
         lora = self.stack.dense.get(module.site) if with_lora else None
         if lora is not None:
             if self.triton:
-                from .kernels.dense_lora import dense_lora
+                from .kernels.dense_lora import dense_lora, dense_lora_shrink, lora_residual_add
 
+                if residual is not None:
+                    shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [T, R]
+                    return lora_residual_add(residual, y, shrunk, lora.B, self.meta, slot_mask=lora.slot_mask)
                 dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)
             else:
                 dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
-        return y
+        return y if residual is None else residual + y
 
-    def linears(self, modules, x: torch.Tensor, head_norms=None) -> list[torch.Tensor]:
+    def linears(self, modules, x: torch.Tensor, head_norms=None, rope=None) -> list[torch.Tensor]:
         """Projections of one input: [linear(m, x) for m in modules]. On the Triton path members of one
         SharedShrink (adapters/stack.py) shrink x once together, then each expands from its own columns.
-        `head_norms`: per module an RMSNorm over each head of its output (Qwen3's q_norm / k_norm) or None; such
-        an output comes back normed, [T, heads, D], and on the Triton path its LoRA expand runs inside the norm
-        (kernels/rms_norm.py lora_head_norm)."""
+        `head_norms` with `rope` = (cos, sin) [B, L, D]: per module an RMSNorm over each head of its output followed
+        by RoPE (Qwen3's q and k), or None; such an output comes back as [B, heads, L, D]
+        (kernels/head_norm_rope.py, on the Triton path with the module's LoRA expand in the same pass)."""
         head_norms = head_norms or (None,) * len(modules)
         shared = self.stack.shared if self.triton and self.stack is not None else {}
         groups = {id(shared[m.site]): shared[m.site] for m in modules if m.site in shared}
         group = next(iter(groups.values())) if len(groups) == 1 else None
         if group is None or any(m.site in self.stack.dense and m.site not in group.columns for m in modules):
-            return [self._head_norm(norm, self.linear(m, x)) for m, norm in zip(modules, head_norms)]
+            return [self._head_norm_rope(norm, self.linear(m, x), rope) for m, norm in zip(modules, head_norms)]
         from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
-        from .kernels.rms_norm import lora_head_norm
+        from .kernels.head_norm_rope import head_norm_rope
 
         shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [T, sum R]
         outs = []
@@ -103,17 +108,37 @@ class Forward:
             if module.site in group.columns:
                 first, rank = group.columns[module.site]
                 lora = self.stack.dense[module.site]
-                if norm is not None and norm.site not in self.stack.overrides:
-                    outs.append(lora_head_norm(y, shrunk[:, first:first + rank], lora.B, norm.weight, norm.eps,
-                                               self.meta.row_slot, lora.slot_mask))  # [T, heads, D]
+                columns = shrunk[:, first:first + rank]  # [T, R]
+                if norm is not None and self._fused_head_norm(norm, rope) and norm.site not in self.stack.overrides:
+                    outs.append(head_norm_rope(y, norm.weight, norm.eps, *rope,
+                                               lora=(columns, lora.B, self.meta.row_slot, lora.slot_mask)))
                     continue
-                dense_lora_expand(y, shrunk[:, first:first + rank], lora.B, self.meta, slot_mask=lora.slot_mask)
-            outs.append(self._head_norm(norm, y))
+                dense_lora_expand(y, columns, lora.B, self.meta, slot_mask=lora.slot_mask)
+            outs.append(self._head_norm_rope(norm, y, rope))
         return outs
 
-    def _head_norm(self, norm, y: torch.Tensor) -> torch.Tensor:
-        """y [T, heads * D] -> norm over each head, [T, heads, D] (y itself when norm is None)."""
-        return y if norm is None else self.norm(norm, y.view(y.shape[0], -1, norm.weight.shape[0]))
+    def _fused_head_norm(self, norm, rope) -> bool:
+        """Whether head_norm_rope serves this norm: the Triton path and RoPE over the whole head."""
+        return self.triton and rope[0].shape[-1] == norm.weight.shape[0]
+
+    def _head_norm_rope(self, norm, y: torch.Tensor, rope) -> torch.Tensor:
+        """y [T, heads * D] -> RMSNorm over each head, then RoPE: [B, heads, L, D] (y itself when norm is None)."""
+        if norm is None:
+            return y
+        cos, sin = rope
+        B, L, _ = cos.shape
+        D = norm.weight.shape[0]
+        if self._fused_head_norm(norm, rope):
+            from .kernels.head_norm_rope import head_norm_rope
+
+            out = head_norm_rope(y, norm.weight, norm.eps, cos, sin)  # [B, heads, L, D]
+            override = self.stack.overrides.get(norm.site) if self.stack is not None else None
+            for s in override.slots if override is not None else ():  # adapters' own norm weights (rare)
+                rows = (self.token_slots == s).view(B, 1, L, 1)
+                out = torch.where(rows, head_norm_rope(y, override.params[s]["weight"], norm.eps, cos, sin), out)
+            return out
+        normed = self.norm(norm, y.view(y.shape[0], -1, D))  # [T, heads, D]
+        return self.rope(normed.view(B, L, -1, D), cos, sin)
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
@@ -170,14 +195,22 @@ class Forward:
         return fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
                              self.token_slots, **variant)
 
-    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router: softmax over the experts (float32) -> top-k -> renormalise if asked: logits [T, E] ->
-        weights [T, k] float32, expert ids [T, k]."""
-        if self.triton:
-            from .kernels.router import router_topk
+    def route(self, router, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router: logits = router(x) -> softmax over the experts (float32) -> top-k -> renormalise if asked:
+        x [T, H] -> weights [T, k] float32, expert ids [T, k]. On the Triton path the router's LoRA expand runs
+        inside the top-k kernel (kernels/router.py)."""
+        if not self.triton:
+            return router_topk_ref(self.linear(router, x), top_k, renormalize)  # [T, E] logits
+        from .kernels.router import router_topk
 
-            return router_topk(logits, top_k, renormalize)
-        return router_topk_ref(logits, top_k, renormalize)
+        lora = self.stack.dense.get(router.site) if self.stack is not None else None
+        if lora is None:
+            return router_topk(self.linear(router, x), top_k, renormalize)
+        from .kernels.dense_lora import dense_lora_shrink
+
+        logits = self.linear(router, x, with_lora=False)  # [T, E]
+        shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [T, R]
+        return router_topk(logits, top_k, renormalize, lora=(shrunk, lora.B, self.meta.row_slot, lora.slot_mask))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.bench import bench, make_peft_adapters, random_hf_model, read_model_config
+from lora_eval.bench import (bench, make_peft_adapters, random_hf_model, read_model_config, time_interleaved,
+                             warm_up)
 from lora_eval.cli import cli
 from lora_eval.errors import InputError
 from lora_eval.models import load_model_from_tensors
@@ -94,6 +95,29 @@ def test_bench_reports_every_case_and_matches_peft(tiny_config, seed):
     for case in CASES:
         assert by.loc[("ours", case), "vs_hf"] == pytest.approx(
             by.loc[("ours", case), "tokens_per_s"] / by.loc[("hf", case), "tokens_per_s"])
+
+
+def test_cases_are_timed_interleaved_and_out_of_memory_is_recorded():
+    """warm_up then time_interleaved: every case warmed first, then one call of each per round (a clock drift
+    falls on all cases alike); a case that runs out of memory while warming up is recorded and not timed."""
+    order = []
+
+    def call(name):
+        def run():
+            order.append(name)
+            if name == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+            return torch.tensor([len(order)])
+        return run
+
+    calls = {name: call(name) for name in ("a", "b", "oom")}
+    timings = warm_up(calls, torch.device("cpu"), warmup=2)
+    assert order == ["a", "a", "b", "b", "oom"]
+    assert timings["oom"].status.startswith("oom: CUDA out of memory")
+    time_interleaved(calls, timings, torch.device("cpu"), repeat=3)
+    assert order[5:] == ["a", "b"] * 3
+    assert timings["a"].seconds > 0 and timings["b"].seconds > 0 and timings["oom"].seconds != timings["oom"].seconds
+    assert timings["b"].output.item() == 11  # the last round's output
 
 
 def test_engine_on_shared_weights_equals_peft_per_row(tiny_config, tmp_path, seed):

@@ -9,7 +9,7 @@ import torch
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.kernels import dense_lora, rms_norm
+from lora_eval.kernels import dense_lora, head_norm_rope, router
 from lora_eval.models import load_model
 from tests.builders import random_sequences, save_random_model, save_random_peft_adapter, write_expert_adapter
 from tests.conftest import MOE_OVERRIDES
@@ -18,14 +18,14 @@ VOCAB = 96
 
 
 def make_adapters(model_dir, root, seed):
-    """A PEFT all-linear adapter, one on embed_tokens / lm_head / q_proj with a modules_to_save norm, and a
-    Tinker-style expert adapter (shared outer factors)."""
+    """A PEFT all-linear adapter, one on embed_tokens / lm_head / q_proj with its own input_layernorm and q_norm
+    (modules_to_save), and a Tinker-style expert adapter (shared outer factors)."""
     return {
         "peft": save_random_peft_adapter(model_dir, root / "peft", seed=seed + 1, r=4, lora_alpha=8,
                                          target_modules="all-linear"),
         "heads": save_random_peft_adapter(model_dir, root / "heads", seed=seed + 2, r=8, lora_alpha=8,
                                           target_modules=["embed_tokens", "lm_head", "q_proj"],
-                                          modules_to_save=["input_layernorm"]),
+                                          modules_to_save=["input_layernorm", "q_norm"]),
         "tinker": write_expert_adapter(model_dir, root / "tinker", layout="split_3d", shared_outer=True,
                                        seed=seed + 3, rank=2).adapter_dir,
     }
@@ -47,8 +47,9 @@ def run(model_dir, adapters, backend, device, dtype, seqs, tags):
 def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, seed, with_head_lora, monkeypatch):
     """Every Triton kernel of the forward (fused MoE-LoRA, dense and embedding LoRA, fused logprobs when
     lm_head has no LoRA) through the interpreter, float32 on the CPU; q/k/v shrink their input once together
-    (q at rank 8 from "heads" and 4 from "peft", k and v at 4: one shrink 16 wide), and q and k expand inside
-    their per-head norm (lora_head_norm) while v expands on its own."""
+    (q at rank 8 from "heads" and 4 from "peft", k and v at 4: one shrink 16 wide); k expands inside its per-head
+    norm + RoPE (head_norm_rope), q before them (the "heads" adapter brings its own q_norm, swapped in per row) and
+    v on its own; o_proj's expand runs inside the residual add, the router's inside its top-k."""
     seqs = random_sequences(6, VOCAB, seed=seed, max_len=14)
     tags = ["peft", "heads" if with_head_lora else "tinker", "tinker", None, "peft", None]
     ref = run(moe_model, adapters, "torch", "cpu", torch.float32, seqs, tags)
@@ -56,16 +57,27 @@ def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, se
     shrink = dense_lora.dense_lora_shrink
     monkeypatch.setattr(dense_lora, "dense_lora_shrink",
                         lambda x, A, *args, **kw: widths.append(A.shape[1]) or shrink(x, A, *args, **kw))
-    head_norm_widths = []
-    head_norm = rms_norm.lora_head_norm
-    monkeypatch.setattr(rms_norm, "lora_head_norm",
-                        lambda y, *args, **kw: head_norm_widths.append(y.shape[1]) or head_norm(y, *args, **kw))
+    head_norm_widths = []  # q/k widths whose LoRA expand ran inside their norm + RoPE
+    fused = head_norm_rope.head_norm_rope
+    monkeypatch.setattr(head_norm_rope, "head_norm_rope", lambda y, *args, lora=None: (
+        lora is not None and head_norm_widths.append(y.shape[1])) or fused(y, *args, lora=lora))
+    residual_adds = []
+    residual_add = dense_lora.lora_residual_add
+    monkeypatch.setattr(dense_lora, "lora_residual_add",
+                        lambda h, *args, **kw: residual_adds.append(h.shape) or residual_add(h, *args, **kw))
+    routed_with_lora = []
+    topk = router.router_topk
+    monkeypatch.setattr(router, "router_topk", lambda logits, *args, lora=None: routed_with_lora.append(
+        lora is not None) or topk(logits, *args, lora=lora))
     out = run(moe_model, adapters, "triton", "cpu", torch.float32, seqs, tags)
     assert max((a - b).abs().max().item() for a, b in zip(ref, out)) < 1e-4
     assert 8 + 4 + 4 in widths
+    assert residual_adds  # o_proj's expand inside the residual add
+    assert any(routed_with_lora)  # the router's expand inside the top-k
     config = load_model(moe_model, dtype=torch.float32).args
     q_width, k_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    assert q_width in head_norm_widths and k_width in head_norm_widths
+    assert k_width in head_norm_widths  # q_norm has an adapter's own weights ("heads"): q expands before its norm
+    assert q_width not in head_norm_widths
 
 
 def test_shared_shrink_stacks_the_projections_of_one_input(moe_model, adapters):

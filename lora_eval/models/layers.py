@@ -24,8 +24,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)  # [out, in]
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None  # [out]
 
-    def forward(self, x: torch.Tensor, fwd) -> torch.Tensor:
-        return fwd.linear(self, x)  # [T, out]
+    def forward(self, x: torch.Tensor, fwd, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`residual` [T, out]: return residual + the projection (Forward.linear fuses the LoRA expand into it)."""
+        return fwd.linear(self, x, residual=residual)  # [T, out]
 
 
 class RMSNorm(nn.Module):

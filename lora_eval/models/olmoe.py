@@ -48,14 +48,14 @@ class Attention(qwen3.Attention):
         self.k_norm = RMSNorm(f"{prefix}.k_norm", args.num_kv_heads * D, eps)
         self.clip = args.clip_qkv
 
-    def project(self, x, fwd):
+    def project(self, x, cos, sin, fwd):
         T = x.shape[0]
         q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
         q, k = self.q_norm(q, fwd), self.k_norm(k, fwd)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
-                v.view(T, self.num_kv_heads, self.head_dim))
+        q, k = self.rope(q, k, cos, sin, fwd)  # [B, nh, L, D], [B, nkv, L, D]
+        return q, k, v.view(T, self.num_kv_heads, self.head_dim)
 
 
 class CausalLM(qwen3.CausalLM):

@@ -134,26 +134,33 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
 
-    def project(self, x, fwd):
-        """q [T, nh, D], k and v [T, nkv, D] before RoPE (families with other q/k norms override this)."""
+    def project(self, x, cos, sin, fwd):
+        """q [B, nh, L, D] and k [B, nkv, L, D] after their norms (Qwen3's per head) and RoPE, v [T, nkv, D]
+        (families with other q/k norms override this)."""
         T = x.shape[0]
-        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x,
-                              head_norms=(self.q_norm, self.k_norm, None))  # q, k normed per head when qk_norm
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, nh, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
-        return q, k, v
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.q_norm is not None:  # norm and RoPE in one pass (kernels/head_norm_rope.py)
+            q, k, v = fwd.linears(projections, x, head_norms=(self.q_norm, self.k_norm, None), rope=(cos, sin))
+        else:
+            q, k, v = fwd.linears(projections, x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
+            q, k = self.rope(q, k, cos, sin, fwd)
+        return q, k, v.view(T, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x, cos, sin, fwd):
+    def rope(self, q, k, cos, sin, fwd):
+        """q [T, nh*D], k [T, nkv*D] -> with RoPE, [B, nh, L, D] and [B, nkv, L, D]."""
+        B, L, _ = cos.shape
+        return (fwd.rope(q.reshape(B, L, self.num_heads, self.head_dim), cos, sin),
+                fwd.rope(k.reshape(B, L, self.num_kv_heads, self.head_dim), cos, sin))
+
+    def forward(self, x, cos, sin, fwd, residual=None):
+        """Attention's output projection, added to `residual` [T, H] when given (the layer's residual stream)."""
         B, L, _ = cos.shape
         T = x.shape[0]
-        q, k, v = self.project(x, fwd)
+        q, k, v = self.project(x, cos, sin, fwd)
         v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
-        q = fwd.rope(q.view(B, L, self.num_heads, self.head_dim), cos, sin)  # [B, nh, L, D]
-        k = fwd.rope(k.view(B, L, self.num_kv_heads, self.head_dim), cos, sin)  # [B, nkv, L, D]
         out = fwd.attention(q, k, v, self.head_dim**-0.5)  # [B, nh, L, D]
         out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]
-        return self.o_proj(out, fwd)  # [T, H]
+        return self.o_proj(out, fwd, residual=residual)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -179,8 +186,7 @@ class SparseMoe(nn.Module):
         self.experts = FusedExperts(f"{prefix}.experts", args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
     def forward(self, x, fwd):
-        logits = self.gate(x, fwd)  # [T, E]
-        weights, ids = fwd.route(logits, self.top_k, self.norm_topk_prob)  # [T, k] float32, [T, k]
+        weights, ids = fwd.route(self.gate, x, self.top_k, self.norm_topk_prob)  # [T, k] float32, [T, k]
         return fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
 
 
@@ -195,7 +201,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(args, f"{prefix}.mlp") if index in args.sparse_layers else MLP(args, f"{prefix}.mlp")
 
     def forward(self, h, cos, sin, fwd):
-        h = h + self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd)  # [T, H]
+        h = self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd, residual=h)  # [T, H]: h + attention
         return h + self.mlp(self.post_attention_layernorm(h, fwd), fwd)  # [T, H]
 
 

@@ -20,6 +20,8 @@ from lora_eval.kernels.dense_lora import (
     embedding_lora,
     embedding_lora_ref,
     lora_metadata,
+    lora_residual_add,
+    lora_residual_add_ref,
 )
 from lora_eval.kernels.linear import linear_ref
 
@@ -134,6 +136,31 @@ def test_dense_lora_small_blocks(dtype, tol, seed):
                          ids=["all-one-slot", "all-none", "three-rows"])
 def test_dense_lora_extremes(counts, total, seed):
     run_dense(torch.float32, 1e-5, (2, 5, 16, 16), seed, counts=counts, total=total, blocks=SMALL)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_lora_residual_add(dtype, tol, seed):
+    """h + (y + shrunk @ B[slot]^T) in one pass against the reference and against the expand then torch's add:
+    rows of no slot and of a masked slot are torch's h + y bit for bit; tiles hold several slots."""
+    g = torch.Generator().manual_seed(seed)
+    slots = make_slots(COUNTS, T, g)
+    _, B = make_lora((2, 5, 16, 16), K, N, g)
+    h, y0 = torch.randn(T, N, generator=g).to(dtype), torch.randn(T, N, generator=g).to(dtype)
+    shrunk = torch.randn(T, 16, generator=g)
+    B = B.to(dtype)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    meta = lora_metadata(on(slots), S)
+    slot_mask = on(torch.tensor([True, True, True, False]))  # slot 3: no weights at this site
+    out = lora_residual_add(on(h), on(y0), on(shrunk), on(B), meta, slot_mask=slot_mask).cpu()
+    groups = groups_of(slots, skip=(3,))
+    ref64 = lora_residual_add_ref(h.double(), y0.double(), shrunk.double(), B.double(), groups)
+    untouched = (slots < 0) | (slots == 3)
+    assert torch.equal(out[untouched], (h + y0)[untouched])
+    assert rel_err(out[~untouched], ref64[~untouched]) < tol
+    assert rel_err((h + y0)[~untouched], ref64[~untouched]) > 0.05  # the deltas matter
+    y = on(y0.clone())
+    dense_lora_expand(y, on(shrunk), on(B), meta, slot_mask=slot_mask)
+    torch.testing.assert_close(out, (on(h) + y).cpu(), rtol=tol, atol=tol)  # the unfused pair
 
 
 def test_dense_lora_slot_mask(seed):

@@ -1,13 +1,14 @@
-"""The RMSNorm and rotary-embedding Triton kernels against their plain-torch references (interpreter on the CPU:
-float32 and float16; odd shapes so that masked tails are exercised; outputs poisoned first where the kernel
-writes into a given buffer)."""
+"""The RMSNorm, rotary-embedding and fused per-head norm + rotary Triton kernels against their plain-torch
+references (interpreter on the CPU: float32 and float16; odd shapes so that masked tails are exercised; outputs
+poisoned first where the kernel writes into a given buffer)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lora_eval.kernels.rms_norm import HEAD_NORM_TOKENS, ROWS_PER_PROGRAM, lora_head_norm, rms_norm, rms_norm_ref
+from lora_eval.kernels.head_norm_rope import TOKENS_PER_PROGRAM, head_norm_rope, head_norm_rope_ref
+from lora_eval.kernels.rms_norm import ROWS_PER_PROGRAM, rms_norm, rms_norm_ref
 from lora_eval.kernels.rope import POSITIONS_PER_PROGRAM, rope, rope_ref
 from lora_eval.models.layers import rope_cos_sin
 
@@ -30,30 +31,37 @@ def test_rms_norm_matches_reference(seed, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_lora_head_norm_matches_expand_then_norm(seed, dtype, tol):
-    """LoRA expand + per-head RMSNorm in one pass against the expand then rms_norm_ref: rows of 3 slots (one
-    masked off: no weights at this site) and of none, a program holding two slots, R not a power of two, a head
-    dim that is not one either; rows without a delta equal the plain Triton norm bit for bit."""
+@pytest.mark.parametrize("with_lora", [False, True], ids=["plain", "lora"])
+def test_head_norm_rope_matches_norm_then_rope(seed, dtype, tol, with_lora):
+    """Per-head RMSNorm + RoPE in one pass (with the LoRA expand in front) against the expand, rms_norm_ref and
+    rope_ref: 2 rows of a length that is not a multiple of the tokens per program, heads not a power of two, a
+    half head dim that is not one either; LoRA rows of 3 slots (one masked off) and of none, a program holding two
+    slots; rows without a delta equal the plain fused kernel bit for bit."""
     g = torch.Generator().manual_seed(seed)
-    T, heads, D, S, R = 2 * HEAD_NORM_TOKENS + 5, 3, 24, 3, 5
+    Bn, L, heads, D, S, R = 2, TOKENS_PER_PROGRAM + 7, 3, 24, 3, 5
+    T = Bn * L
     y = (2 * torch.randn(T, heads * D, generator=g)).to(DEVICE, dtype)
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(DEVICE, dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    positions = torch.arange(L, device=DEVICE).expand(Bn, L)
+    cos, sin = rope_cos_sin(inv_freq.to(DEVICE), positions, dtype)
+    plain = head_norm_rope(y, w, 1e-6, cos, sin)
+    assert plain.shape == (Bn, heads, L, D) and plain.is_contiguous()
+    if not with_lora:
+        ref = head_norm_rope_ref(y, w, 1e-6, cos, sin)
+        assert torch.allclose(plain.float(), ref.float(), rtol=tol, atol=tol)
+        return
     shrunk = torch.randn(T, R + 2, generator=g).to(DEVICE, dtype)[:, 1:R + 1]  # a column view, as the q/k/v split
     B = (0.5 * torch.randn(S, heads * D, R, generator=g)).to(DEVICE, dtype)
-    w = (1 + 0.3 * torch.randn(D, generator=g)).to(DEVICE, dtype)
     slots = torch.randint(-1, S, (T,), generator=g)
-    slots[HEAD_NORM_TOKENS - 3:HEAD_NORM_TOKENS + 3] = torch.tensor([0, 0, 0, 1, 1, 1])  # across a program edge
+    slots[TOKENS_PER_PROGRAM - 3:TOKENS_PER_PROGRAM + 3] = torch.tensor([0, 0, 0, 1, 1, 1])  # across a program edge
     slot_mask = torch.tensor([True, False, True], device=DEVICE)  # slot 1 has no weights here
-    out = lora_head_norm(y, shrunk, B, w, 1e-6, slots.to(DEVICE, torch.int32), slot_mask)
-    ref_y = y.float().clone()  # [T, heads * D]
-    for s in (0, 2):
-        rows = (slots == s).nonzero().squeeze(1).to(DEVICE)
-        ref_y[rows] += shrunk[rows].to(B.dtype).float() @ B[s].float().T
-    ref = rms_norm_ref(ref_y.to(dtype).view(T, heads, D), w, 1e-6)
-    assert out.shape == (T, heads, D) and out.dtype == ref.dtype
+    out = head_norm_rope(y, w, 1e-6, cos, sin, lora=(shrunk, B, slots.to(DEVICE, torch.int32), slot_mask))
+    groups = [(s, (slots == s).nonzero().squeeze(1).to(DEVICE)) for s in (0, 2)]
+    ref = head_norm_rope_ref(y, w, 1e-6, cos, sin, lora=(shrunk, B, groups))
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
-    plain = rms_norm(y.view(T, heads, D), w, 1e-6)
-    untouched = ((slots == -1) | (slots == 1)).to(DEVICE)
-    assert torch.equal(out[untouched], plain[untouched])  # no delta: the plain norm, bit for bit
+    untouched = ((slots == -1) | (slots == 1)).view(Bn, 1, L, 1).expand_as(out).to(DEVICE)
+    assert torch.equal(out[untouched], plain[untouched])  # no delta: the plain kernel's numbers, bit for bit
     assert (out[~untouched].float() - plain[~untouched].float()).abs().max() > 0.05  # the deltas matter
 
 
