@@ -378,6 +378,7 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
                 call, passes[batch, case] = _hf_call(peft_model, rows, tags, case, one_pass, dev)
                 results["hf", batch, case] = measure(call, dev, warmup, repeat)
                 bar.update(1)
+            del call  # its closure holds the PEFT model: its adapter weights would stay on the device
         del peft_model, hf
         free_memory(dev)
         # 3. our engine: the base cases warmed up first (their peak memory without adapters), then the adapters
