@@ -22,7 +22,9 @@ import triton.language as tl
 from .rms_norm import rms_norm_ref
 from .rope import rope_ref
 
-TOKENS_PER_PROGRAM = 32  # grid (cdiv(T, TOKENS_PER_PROGRAM), heads); tl.dot of the LoRA delta needs 16 at least
+# grid (cdiv(T, TOKENS_PER_PROGRAM), heads); tl.dot of the LoRA delta needs 16 at least. H100, 4 x 1024 tokens, q of
+# Qwen3-30B-A3B (benchmarks/dense_lora_tiles.py --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
+TOKENS_PER_PROGRAM = 32
 
 
 def head_norm_rope_ref(y, weight, eps, cos, sin, lora=None) -> torch.Tensor:
@@ -125,6 +127,6 @@ def head_norm_rope(y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
         y, weight, cos, sin, out, s_ptr, b_ptr, row_slot_ptr, mask_ptr, T, L, heads, R, S, eps, y.stride(0),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *lora_strides,
         HALF=D // 2, HAS_LORA=lora is not None, HAS_SLOT_MASK=lora is not None and lora[3] is not None,
-        BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_R=max(16, triton.next_power_of_2(R)),
-        num_warps=4)
+        BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_R=max(16, triton.next_power_of_2(R)), num_warps=4)
     return out

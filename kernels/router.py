@@ -2,10 +2,11 @@
 renormalised to sum 1 when asked (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE routing).
 
 Shapes: logits [T, E] (any float dtype, last dim contiguous) -> weights [T, k] float32, ids [T, k] int64, by
-descending weight; among equal probabilities the lower expert comes first. With the router's LoRA (`lora` =
-(shrunk [T, R], B [S, E, R], row_slot [T] int32, slot_mask [S] or None), as in dense_lora.py) the logits first
-get their rows' delta, rounded into the logits' dtype as an in-place expand would leave them. One launch does what torch does in
+descending weight; among equal probabilities the lower expert comes first. One launch does what torch does in
 three to five (softmax, topk, sum, divide); torch's topk alone costs ~30 us at T = 4096, E = 128 on an H100.
+With the router's LoRA (`lora` = (shrunk [T, R], B [S, E, R], row_slot [T] int32, slot_mask [S] or None), as in
+dense_lora.py) the logits first get their rows' delta, rounded into the logits' dtype as an in-place expand would
+leave them: the expand costs no pass of its own.
 """
 
 from __future__ import annotations
