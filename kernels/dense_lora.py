@@ -240,6 +240,17 @@ def lora_residual_add_ref(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor
     return h + y
 
 
+@triton.jit
+def row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK: tl.constexpr):
+    """For kernels that tile rows in their own order (not grouped by slot): each row's slot, -1 for none or for a
+    slot masked off at this site, and the smallest / largest slot among them (lo > hi: no row has one)."""
+    slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=-1)
+    if HAS_SLOT_MASK:
+        weighted = tl.load(slot_mask_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+        slot = tl.where(weighted != 0, slot, -1)
+    return slot, tl.min(tl.where(slot >= 0, slot, S), axis=0), tl.max(slot, axis=0)
+
+
 # rows x columns per program of lora_residual_add, grid (cdiv(T, BLOCK_M), cdiv(out, BLOCK_N))
 RESIDUAL_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 
@@ -256,12 +267,7 @@ def _residual_add_kernel(h_ptr, y_ptr, s_ptr, b_ptr, out_ptr, row_slot_ptr, slot
     row_mask = rows < T
     mask = row_mask[:, None] & (cols < N)[None, :]
     rows64 = rows[:, None].to(tl.int64)
-    slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=-1)  # [BM]
-    if HAS_SLOT_MASK:
-        weighted = tl.load(slot_mask_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
-        slot = tl.where(weighted != 0, slot, -1)
-    lo = tl.min(tl.where(slot >= 0, slot, S), axis=0)
-    hi = tl.max(slot, axis=0)
+    slot, lo, hi = row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK)  # [BM], lo, hi
     y = tl.load(y_ptr + rows64 * stride_ym + cols[None, :], mask=mask, other=0.0)  # [BM, BN]
     acc = y.to(tl.float32)
     for s in range(lo, hi + 1):  # a tile's rows nearly always share one slot

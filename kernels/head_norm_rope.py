@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dense_lora import row_slots
 from .rms_norm import rms_norm_ref
 from .rope import rope_ref
 
@@ -61,12 +62,7 @@ def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr,
     x1 = y1.to(tl.float32)
     x2 = y2.to(tl.float32)
     if HAS_LORA:
-        slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=-1)  # [BT]
-        if HAS_SLOT_MASK:
-            weighted = tl.load(slot_mask_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
-            slot = tl.where(weighted != 0, slot, -1)
-        lo = tl.min(tl.where(slot >= 0, slot, S), axis=0)
-        hi = tl.max(slot, axis=0)
+        slot, lo, hi = row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK)  # [BT], lo, hi
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         for s in range(lo, hi + 1):  # a block's rows nearly always share one slot

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dense_lora import row_slots
+
 ROWS_PER_PROGRAM = 16
 
 
@@ -39,12 +41,9 @@ def router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, s_ptr, b_ptr, row_slot_
     raw = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :], mask=mask, other=0.0)
     logits = raw.to(tl.float32)  # [ROWS, BE]
     if HAS_LORA:
-        slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=-1)  # [ROWS]
-        if HAS_SLOT_MASK:
-            weighted = tl.load(slot_mask_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
-            slot = tl.where(weighted != 0, slot, -1)
+        slot, lo, hi = row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK)  # [ROWS], lo, hi
         offs_r = tl.arange(0, BLOCK_R)
-        for s in range(tl.min(tl.where(slot >= 0, slot, S), axis=0), tl.max(slot, axis=0) + 1):
+        for s in range(lo, hi + 1):
             part = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr,
                            mask=(slot == s)[:, None] & (offs_r < R)[None, :], other=0.0)  # [ROWS, BR]
             b = tl.load(b_ptr + s * stride_bs + cols[None, :] * stride_be + offs_r[:, None] * stride_br,

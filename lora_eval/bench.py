@@ -228,31 +228,15 @@ class Timing:
 def measure(call, device: torch.device, warmup: int, repeat: int) -> Timing:
     """Warm-up calls, then `repeat` synchronised timed calls: the median, the last output, the peak memory of
     the whole phase (CUDA only; NaN on the CPU). Running out of device memory is recorded, not raised."""
-    cuda = device.type == "cuda"
-    timing = Timing()
-    if cuda:
-        torch.cuda.synchronize(device)
-        timing.resident_gb = torch.cuda.memory_allocated(device) / 1e9
-        torch.cuda.reset_peak_memory_stats(device)
+    timings = warm_up({None: call}, device, warmup)
     try:
-        for _ in range(warmup):
-            call()
-        times = []
-        for _ in range(repeat):
-            if cuda:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            timing.output = call()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        timing.seconds = statistics.median(times)
+        time_interleaved({None: call}, timings, device, repeat)
     except torch.OutOfMemoryError as e:
-        timing.output, timing.status = None, f"oom: {str(e).splitlines()[0][:160]}"
+        timings[None].output, timings[None].status = None, f"oom: {str(e).splitlines()[0][:160]}"
         free_memory(device)
-    if cuda:
-        timing.peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
-    return timing
+    if device.type == "cuda":
+        timings[None].peak_gb = torch.cuda.max_memory_allocated(device) / 1e9  # warm-up and timed calls
+    return timings[None]
 
 
 def warm_up(calls: dict, device: torch.device, warmup: int) -> dict:
