@@ -84,7 +84,8 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 #   down:    act[pair] @ W_d[e]^T -> * routing weight -> y [P, H];   out[t] = sum_j y[t * k + j] (fp32, moe_sum)
 # LoRA: a small shrink kernel computes x @ A[s, e]^T once per aligned block ([blocks * BLOCK_M, R] in x's dtype);
 # the grouped GEMM loads a block's shrink rows and B[s, e] tile before its main loop and adds shrink @ B^T to
-# its accumulators after it, for the rows of adapter slot s only (a block nearly always holds one adapter).
+# its accumulators after it (MoeConfig.expand_first: before it), for the rows of adapter slot s only (a block
+# holds one slot, or a few at a slot boundary inside an expert's pairs).
 # A block whose pairs have no adapter adds nothing.
 # ---------------------------------------------------------------------------------------------------------
 
@@ -101,12 +102,14 @@ class MoeConfig:
     and `down` hold each GEMM's BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. `w_tma`: the expert weights
     load through TMA tensor descriptors; `sorted_act`: the gate_up GEMM writes the activation in block order
     and the down GEMM reads it by block row (through a descriptor too when `w_tma`). Both fall back to
-    pointer loads where TMA is not available (before Hopper, or a tensor TMA cannot describe)."""
+    pointer loads where TMA is not available (before Hopper, or a tensor TMA cannot describe). `expand_first`: the
+    GEMMs add the LoRA delta into their accumulators before the main loop instead of after it."""
     block_m: int
     gate_up: dict
     down: dict
     w_tma: bool = False
     sorted_act: bool = False
+    expand_first: bool = False
 
     def tiles(self, gemm: str) -> dict:
         return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
@@ -118,10 +121,12 @@ def _tiles(n, k, warps, stages, group_m=8):
 
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
 # shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
-# 2048 (gate_up); the block-ordered activation from 8192 on.
+# 2048 (gate_up); the block-ordered activation from 8192 on. The LoRA expand before the main loop paid with the
+# 64-row blocks only (LoRA overhead 1.106 / 1.089 against 1.126 / 1.106 at 1024 tokens, 4 adapters mixed / one;
+# within the noise at 4096 and above: benchmarks/moe_lora_variants.py).
 CONFIGS = {
     16: MoeConfig(16, gate_up=_tiles(128, 128, 8, 4), down=_tiles(128, 128, 8, 4)),
-    64: MoeConfig(64, gate_up=_tiles(64, 64, 4, 3), down=_tiles(128, 64, 4, 4), w_tma=True),
+    64: MoeConfig(64, gate_up=_tiles(64, 64, 4, 3), down=_tiles(128, 64, 4, 4), w_tma=True, expand_first=True),
     256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True),
     None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True),
 }
@@ -221,6 +226,26 @@ def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOC
 
 
 @triton.jit
+def _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo, hi, e, offs_n, n_mask,
+                 r_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr, GATED: tl.constexpr,
+                 BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The block's LoRA delta into its accumulators: the first slot's shrink rows and B tiles as loaded before the
+    main loop, further slots (a block at a slot boundary) loaded here. Rows of no adapter add exact zeros."""
+    if hi >= lo:
+        acc = tl.dot(first.to(first_b.dtype), first_b, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            acc_up = tl.dot(first.to(first_b.dtype), first_b_up, acc_up, input_precision=DOT_PRECISION)
+        for s in range(lo + 1, hi + 1):
+            shrunk = tl.load(shrunk_ptrs, mask=(valid & (slot == s))[:, None] & r_mask[None, :], other=0.0)
+            lb = lb_ptr + s * stride_lbs + e * stride_lbe
+            acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
+            if GATED:
+                acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
+                                 BLOCK_R, DOT_PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
 def moe_lora_shrink_kernel(
     a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, token_slots_ptr, block_lo_ptr,
     block_hi_ptr, K, P, R, top_k,
@@ -274,7 +299,7 @@ def moe_gemm_kernel(
     stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr,
+    A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, EXPAND_FIRST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
 ):
@@ -282,6 +307,7 @@ def moe_gemm_kernel(
     GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up (CLAMPED_SWIGLU: GPT-OSS's form).
     HAS_BIAS: bias [E, N] (GATED: [E, 2N]) added before the activation / the routing weight.
     SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row.
+    EXPAND_FIRST: the LoRA delta goes into the accumulators before the main loop instead of after it.
     A_SORTED: a's rows are block rows (a written in block order by OUT_SORTED, every row of a run block written).
     W_TMA / A_TMA: w_ptr / a_ptr are tensor descriptors (blocks [1, BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K])."""
     pid = tl.program_id(0)
@@ -322,8 +348,13 @@ def moe_gemm_kernel(
         lb_mask = (hi >= lo) & r_mask[:, None] & n_mask[None, :]
         first = tl.load(shrunk_ptrs, mask=(valid & (slot == lo))[:, None] & r_mask[None, :], other=0.0)
         first_b = tl.load(lb_ptrs + lo * stride_lbs, mask=lb_mask, other=0.0)
+        first_b_up = first_b
         if GATED:
             first_b_up = tl.load(lb_ptrs + lo * stride_lbs + N * stride_lbn, mask=lb_mask, other=0.0)
+        if EXPAND_FIRST:  # the delta is the accumulators' starting value
+            acc, acc_up = _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo,
+                                       hi, e, offs_n, n_mask, r_mask, N, R, stride_lbs, stride_lbe, stride_lbn,
+                                       stride_lbr, GATED, BLOCK_R, DOT_PRECISION)
     e32 = e.to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
@@ -345,18 +376,10 @@ def moe_gemm_kernel(
             acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
         if not W_TMA:
             w_ptrs += BLOCK_K * stride_wk
-    if HAS_LORA:  # rows of no adapter (and base-only blocks) add nothing: their main-loop sums stay exact
-        if hi >= lo:
-            acc = tl.dot(first.to(first_b.dtype), first_b, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                acc_up = tl.dot(first.to(first_b.dtype), first_b_up, acc_up, input_precision=DOT_PRECISION)
-            for s in range(lo + 1, hi + 1):  # further slots in the block (rare: a block nearly always has one)
-                shrunk = tl.load(shrunk_ptrs, mask=(valid & (slot == s))[:, None] & r_mask[None, :], other=0.0)
-                lb = lb_ptr + s * stride_lbs + e * stride_lbe
-                acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
-                if GATED:
-                    acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
-                                     BLOCK_R, DOT_PRECISION)
+    if HAS_LORA and not EXPAND_FIRST:  # the delta added to the main loop's sums
+        acc, acc_up = _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo, hi,
+                                   e, offs_n, n_mask, r_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
+                                   GATED, BLOCK_R, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -408,12 +431,13 @@ def _expert_stride(t: torch.Tensor) -> int:
 
 def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
              token_shrunk=None, bias=None, activation="silu", alpha=1.702, limit=7.0, config, w_tma=False,
-             a_tma=False, a_sorted=False, out_sorted=False):
+             a_tma=False, a_sorted=False, out_sorted=False, expand_first=False):
     """Launch the grouped GEMM (and, with LoRA, its shrink) over every aligned block. Grids come from
     host-known sizes only, so the launches can be captured in a CUDA graph. `token_shrunk` [T, R]: the
     shrink already done per token (an A shared by all experts), so no per-pair shrink runs. `config`: one GEMM's
     tiles (MoeConfig.tiles). Layout: `w_tma` / `a_tma` load w / a through TMA descriptors (see tma_ready; a_tma
-    needs a_sorted), `a_sorted` reads a's rows by block row, `out_sorted` writes out's rows by block row."""
+    needs a_sorted), `a_sorted` reads a's rows by block row, `out_sorted` writes out's rows by block row.
+    `expand_first`: the LoRA delta starts the accumulators (MoeConfig.expand_first)."""
     assert a_sorted or not a_tma, "a TMA descriptor reads a by block row: a_tma needs a_sorted"
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
@@ -460,7 +484,8 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, W_TMA=w_tma, A_TMA=a_tma, A_SORTED=a_sorted,
         OUT_SORTED=out_sorted, MUL_WEIGHT=topk_weights is not None,
         HAS_LORA=lora_B is not None, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=activation == "clamped_swiglu",
-        BLOCK_R=BLOCK_R, DOT_PRECISION=precision, SHRUNK_BY_TOKEN=token_shrunk is not None, **config,
+        BLOCK_R=BLOCK_R, DOT_PRECISION=precision, SHRUNK_BY_TOKEN=token_shrunk is not None,
+        EXPAND_FIRST=expand_first, **config,
     )
     return out
 
@@ -486,11 +511,11 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
              lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
              token_shrunk=token_shrunk, bias=gate_up_bias, activation=activation, alpha=alpha, limit=limit,
              config=config.tiles("gate_up"), w_tma=config.w_tma and tma_ready(w_gate_up),
-             out_sorted=config.sorted_act)
+             out_sorted=config.sorted_act, expand_first=config.expand_first)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
              topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
              lora_B=lora.down_B if lora is not None else None, bias=down_bias, config=config.tiles("down"),
              w_tma=config.w_tma and tma_ready(w_down), a_sorted=config.sorted_act,
-             a_tma=config.sorted_act and config.w_tma and tma_ready(act))
+             a_tma=config.sorted_act and config.w_tma and tma_ready(act), expand_first=config.expand_first)
     return moe_sum(y.view(T, k, H))  # [T, H]

@@ -4,7 +4,7 @@ the projection's LoRA expand folded in front when it has one.
 Shapes: y [T, heads * D] (the projection's output without its LoRA delta, last dim contiguous; T = B * L tokens
 in row-major [B, L] order), weight [D], cos / sin [B, L, D] (any strides, last dim contiguous);
 LoRA (optional): shrunk [T, R] (any strides), B [S, heads * D, R], row_slot [T] int32 (-1: none), slot_mask [S]
-(slots without weights at this site add nothing) -> out [B, heads, L, D] contiguous, the layout attention reads:
+(slots without weights at this site add nothing) -> out [B, heads, L, D] in rope.attention_layout:
   x   = (y + shrunk @ B[slot]^T).to(y.dtype)                        (LoRA rows; the others x = y)
   n   = (weight * (x / sqrt(mean(x^2) + eps)).to(y.dtype)).to(y.dtype)   (rms_norm's numbers, per head)
   out = n * cos + rotate_half(n) * sin, rotate_half(n) = [-n2, n1]  (rope's numbers: float32, one rounding)
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .dense_lora import row_slots
 from .rms_norm import rms_norm_ref
-from .rope import rope_ref
+from .rope import attention_layout, rope_ref
 
 # grid (cdiv(T, TOKENS_PER_PROGRAM), heads); tl.dot of the LoRA delta needs 16 at least. H100, 4 x 1024 tokens, q of
 # Qwen3-30B-A3B (benchmarks/dense_lora_tiles.py --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
@@ -91,7 +91,7 @@ def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr,
     cos2 = tl.load(c + HALF, mask=mask, other=0.0).to(tl.float32)
     sin1 = tl.load(s_, mask=mask, other=0.0).to(tl.float32)
     sin2 = tl.load(s_ + HALF, mask=mask, other=0.0).to(tl.float32)
-    out = out_ptr + (((b.to(tl.int64) * HEADS + head) * L + pos)[:, None]) * (2 * HALF) + d[None, :]  # [B, h, L, D]
+    out = out_ptr + (((b.to(tl.int64) * L + pos) * HEADS + head)[:, None]) * (2 * HALF) + d[None, :]  # [B, L, h, D]
     tl.store(out, (n1 * cos1 - n2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + HALF, (n2 * cos2 + n1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -106,7 +106,7 @@ def head_norm_rope(y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
             or sin.stride(-1) != 1):
         raise ValueError(f"head_norm_rope: y {tuple(y.shape)}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)}")
     heads = N // D
-    out = torch.empty(B_, heads, L, D, dtype=torch.promote_types(y.dtype, weight.dtype), device=y.device)
+    out = attention_layout(B_, heads, L, D, torch.promote_types(y.dtype, weight.dtype), y.device)
     if T == 0:
         return out
     if lora is not None:

@@ -1,8 +1,9 @@
 """Rotary position embedding (rotate-half convention), written straight into the layout attention reads.
 
 Shapes: x [B, L, heads, D] (a view of a projection's output [B*L, heads*D]), cos/sin [B, L, D] (any strides)
--> out [B, heads, L, D] contiguous: out = x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1].
-Float32 math, one rounding at the end. One launch replaces the chunk/cat/mul/add kernels and the transpose copy.
+-> out [B, heads, L, D] (memory in [B, L, heads, D] order: attention_layout): out = x * cos + rotate_half(x) * sin
+with rotate_half(x) = [-x2, x1]. Float32 math, one rounding at the end. One launch replaces the chunk/cat/mul/add
+kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +13,14 @@ import triton
 import triton.language as tl
 
 POSITIONS_PER_PROGRAM = 4
+
+
+def attention_layout(B: int, heads: int, L: int, D: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An empty [B, heads, L, D] tensor whose memory is in [B, L, heads, D] order: cuDNN's attention writes its
+    output in q's order, so the [B*L, heads*D] view of that output (o_proj's input) needs no transpose copy. H100,
+    Qwen3-30B-A3B at 4 x 1024 tokens, q/k norm + RoPE, attention and o_proj: 219 us against 263 us with
+    [B, heads, L, D] memory and the copy (BENCHMARKS.md section 3)."""
+    return torch.empty(B, L, heads, D, dtype=dtype, device=device).transpose(1, 2)
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,18 +50,18 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, L, HEADS,
     cos2 = tl.load(c + HALF, mask=pmask[:, None], other=0.0).to(tl.float32)[:, None, :]
     sin1 = tl.load(s, mask=pmask[:, None], other=0.0).to(tl.float32)[:, None, :]
     sin2 = tl.load(s + HALF, mask=pmask[:, None], other=0.0).to(tl.float32)[:, None, :]
-    out = out_ptr + ((b.to(tl.int64) * HEADS + heads[None, :, None]) * L + pos[:, None, None]) * (2 * HALF) + \
-        d[None, None, :]  # [P, BH, D/2] in [B, heads, L, D]
+    out = out_ptr + ((b.to(tl.int64) * L + pos[:, None, None]) * HEADS + heads[None, :, None]) * (2 * HALF) + \
+        d[None, None, :]  # [P, BH, D/2] in [B, L, heads, D] memory
     tl.store(out, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Triton rope of x [B, L, heads, D] (last dim contiguous) -> [B, heads, L, D] contiguous."""
+    """Triton rope of x [B, L, heads, D] (last dim contiguous) -> [B, heads, L, D] (attention_layout)."""
     B, L, heads, D = x.shape
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope needs a contiguous last dim")
-    out = torch.empty(B, heads, L, D, dtype=x.dtype, device=x.device)
+    out = attention_layout(B, heads, L, D, x.dtype, x.device)
     rope_kernel[(triton.cdiv(L, POSITIONS_PER_PROGRAM), B)](
         x, cos, sin, out, L, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
         sin.stride(0), sin.stride(1), POSITIONS=POSITIONS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(heads),

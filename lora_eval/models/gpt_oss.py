@@ -179,7 +179,7 @@ class Attention(nn.Module):
         v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
         q, k = fwd.rope(q, cos, sin), fwd.rope(k, cos, sin)  # [B, nh, L, D], [B, nkv, L, D]
         out = fwd.attention(q, k, v, self.head_dim**-0.5, sinks=self.sinks, window=self.window)  # [B, nh, L, D]
-        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]
+        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D], a view (attention_layout)
         return self.o_proj(out, fwd)  # [T, H]
 
 

@@ -159,7 +159,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x, cos, sin, fwd)
         v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
         out = fwd.attention(q, k, v, self.head_dim**-0.5)  # [B, nh, L, D]
-        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D]
+        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D], a view (attention_layout)
         return self.o_proj(out, fwd, residual=residual)  # [T, H]
 
 

@@ -19,9 +19,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton inter
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 _TILES = {k: v for k, v in SMALL.items() if k != "BLOCK_M"}
 # operand layouts: pointers; expert weights through TMA descriptors; and the activation in block order read
-# through a descriptor too (kernels/fused_moe.py MoeConfig)
+# through a descriptor too; and the LoRA delta added before the main loop (kernels/fused_moe.py MoeConfig)
 LAYOUTS = {"ptr": MoeConfig(16, _TILES, _TILES), "w_tma": MoeConfig(16, _TILES, _TILES, w_tma=True),
-           "sorted_act": MoeConfig(16, _TILES, _TILES, w_tma=True, sorted_act=True)}
+           "sorted_act": MoeConfig(16, _TILES, _TILES, w_tma=True, sorted_act=True),
+           "expand_first": MoeConfig(16, _TILES, _TILES, w_tma=True, expand_first=True)}
 INTERPRETER_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 
@@ -154,24 +155,24 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, layout, monkeypatch):
     g = torch.Generator().manual_seed(seed)
-    T, k, E, H, I, S, R = 61, 2, 6, 32, 16, 4, 8  # ~20 pairs per expert: several blocks each
+    T, k, E, H, I, S, R = 61, 2, 6, 32, 16, 5, 8  # ~20 pairs per expert: several blocks, several slots in most
     monkeypatch.setattr(fused_moe_module, "ALL_SLOTS_MAX", 128 if all_slots else 0)  # both shrink variants
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=0)
     weights = weights.to(DEVICE, dtype)
     w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
     w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
-    lora = expert_lora(S, E, H, I, R, g, dtype, shared_outer=shared_outer, empty_slot=3)
+    lora = expert_lora(S, E, H, I, R, g, dtype, shared_outer=shared_outer, empty_slot=4)
     slots = torch.randint(-1, S, (T,), generator=g)
     slots[slots == 2] = 0  # slot 2 has no rows
-    slots[:2] = 3  # the empty slot has rows: they must equal the base model
+    slots[:2] = 4  # the empty slot has rows: they must equal the base model
     slots = slots.to(DEVICE)
     out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=LAYOUTS[layout])
     ref = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots)
     base = fused_moe(x, ids, weights, w_gu, w_d, config=LAYOUTS[layout])
     assert rel_err(out, ref) < tol
     assert rel_err(base, ref) > 0.05  # the adapters matter, so the test can fail
-    no_delta = (slots == -1) | (slots == 3)
+    no_delta = (slots == -1) | (slots == 4)
     # rows with no (or an empty) adapter get no delta; the interpreter's numpy matmul may round a row
     # differently in another block composition, so exact equality is checked on the GPU only
     torch.testing.assert_close(out[no_delta], base[no_delta], rtol=tol, atol=tol)

@@ -46,7 +46,7 @@ def test_head_norm_rope_matches_norm_then_rope(seed, dtype, tol, with_lora):
     positions = torch.arange(L, device=DEVICE).expand(Bn, L)
     cos, sin = rope_cos_sin(inv_freq.to(DEVICE), positions, dtype)
     plain = head_norm_rope(y, w, 1e-6, cos, sin)
-    assert plain.shape == (Bn, heads, L, D) and plain.is_contiguous()
+    assert plain.shape == (Bn, heads, L, D) and plain.transpose(1, 2).is_contiguous()  # attention_layout
     if not with_lora:
         ref = head_norm_rope_ref(y, w, 1e-6, cos, sin)
         assert torch.allclose(plain.float(), ref.float(), rtol=tol, atol=tol)
@@ -76,6 +76,6 @@ def test_rope_matches_reference(seed, dtype, tol):
     cos, sin = rope_cos_sin(inv_freq.to(DEVICE), positions, dtype)
     out = rope(x, cos, sin)
     ref = rope_ref(x.float(), cos.float(), sin.float())
-    assert out.shape == (B, heads, L, D) and out.is_contiguous()
+    assert out.shape == (B, heads, L, D) and out.transpose(1, 2).is_contiguous()  # attention_layout
     assert torch.allclose(out.float(), ref, rtol=tol, atol=tol)
     assert not torch.allclose(out.float(), x.float().transpose(1, 2), atol=1e-2)  # the rotation did something
