@@ -85,7 +85,7 @@ def shrinks(T, meta):
         x = torch.randn(T, K, device="cuda", dtype=bf)
         A = torch.randn(SLOTS, R, K, device="cuda", dtype=bf) / K**0.5
         results = {}
-        for bm, bk, nw, ns in itertools.product((16, 32, 64), (128, 256), (4,), (2, 4)):
+        for bm, bk, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)):
             blocks = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             try:
                 results[(bm, bk, nw, ns)] = time_graph(lambda: dense_lora_shrink(x, A, meta, blocks=blocks))
