@@ -86,14 +86,16 @@ def _slot_groups(lora, slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 # the grouped GEMM loads a block's shrink rows and B[s, e] tile before its main loop and adds shrink @ B^T to
 # its accumulators after it (MoeConfig.expand_first: before it), for the rows of adapter slot s only (a block
 # holds one slot, or a few at a slot boundary inside an expert's pairs).
-# A block whose pairs have no adapter adds nothing.
+# A block whose pairs have no adapter adds nothing. Factors shared by all experts skip work: a shared gate_up A
+# is one shrink per token (dense_lora_shrink); a shared down B is expanded once per token inside the sum over k,
+# out[t] += (sum_j w_j shrink[t, j]) @ B^T, from a shrink stored by pair, and the down GEMM runs without LoRA.
 # ---------------------------------------------------------------------------------------------------------
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from .dense_lora import dense_lora_shrink, lora_metadata  # noqa: E402
+from .dense_lora import dense_lora_shrink, lora_metadata, row_slots  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
 
 @dataclass(frozen=True)
@@ -103,13 +105,18 @@ class MoeConfig:
     load through TMA tensor descriptors; `sorted_act`: the gate_up GEMM writes the activation in block order
     and the down GEMM reads it by block row (through a descriptor too when `w_tma`). Both fall back to
     pointer loads where TMA is not available (before Hopper, or a tensor TMA cannot describe). `expand_first`: the
-    GEMMs add the LoRA delta into their accumulators before the main loop instead of after it."""
+    GEMMs add the LoRA delta into their accumulators before the main loop instead of after it. `half_tail`: a
+    block with pairs in its first half only (an expert group's last block) computes half the rows. `pair_shrink`:
+    with a down B shared by all experts, the down GEMM's N tile 0 computes the down LoRA shrink from the activation
+    tiles it loads anyway (else a separate shrink kernel reads the activation again)."""
     block_m: int
     gate_up: dict
     down: dict
     w_tma: bool = False
     sorted_act: bool = False
     expand_first: bool = False
+    half_tail: bool = False
+    pair_shrink: bool = False
 
     def tiles(self, gemm: str) -> dict:
         return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
@@ -121,14 +128,20 @@ def _tiles(n, k, warps, stages, group_m=8):
 
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
 # shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
-# 2048 (gate_up); the block-ordered activation from 8192 on. The LoRA expand before the main loop paid with the
-# 64-row blocks only (LoRA overhead 1.106 / 1.089 against 1.126 / 1.106 at 1024 tokens, 4 adapters mixed / one;
-# within the noise at 4096 and above: benchmarks/moe_lora_variants.py).
+# 2048 (gate_up); the block-ordered activation from 8192 on. A/B in one process (benchmarks/moe_variants.py):
+# the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
+# 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
+# 16-row blocks (within +-0.01 either way); half-height tail blocks paid at 128-row blocks (base 1.2-4% faster
+# from 2048 tokens on), not at 64-row ones; the down shrink inside the down GEMM (pair_shrink, shared down B) paid
+# at 128-row blocks (1.083 against 1.110 at 4096 tokens, 4 adapters mixed), not at 16 / 64 (1.116 / 1.128 against
+# 1.101 / 1.094 at 256 / 1024).
 CONFIGS = {
     16: MoeConfig(16, gate_up=_tiles(128, 128, 8, 4), down=_tiles(128, 128, 8, 4)),
     64: MoeConfig(64, gate_up=_tiles(64, 64, 4, 3), down=_tiles(128, 64, 4, 4), w_tma=True, expand_first=True),
-    256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True),
-    None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True),
+    256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, expand_first=True,
+                   half_tail=True, pair_shrink=True),
+    None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True,
+                    expand_first=True, half_tail=True, pair_shrink=True),
 }
 
 
@@ -160,7 +173,7 @@ SHRINK_WARPS, SHRINK_STAGES = 4, 3
 # The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
 # columns, each row keeping its own slot's) while that is at most ALL_SLOTS_MAX wide, else one pass per slot; a
 # block of one slot (most blocks at large M) always takes the one narrow pass.
-# H100, Qwen3-30B-A3B shapes, 4 adapters (benchmarks/moe_lora_variants.py): LoRA overhead 1.071-1.117 against
+# H100, Qwen3-30B-A3B shapes, 4 adapters (benchmarks/moe_variants.py): LoRA overhead 1.071-1.117 against
 # 1.085-1.126 one pass per slot. The same side-by-side trick for the expand measured slower at every M
 # (1.076-1.405 against 1.071-1.117): blocks of large M hold one or two slots, and the wide dot costs more there.
 ALL_SLOTS_MAX = 128
@@ -250,15 +263,15 @@ def moe_lora_shrink_kernel(
     a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, token_slots_ptr, block_lo_ptr,
     block_hi_ptr, K, P, R, top_k,
     stride_am, stride_ak, stride_las, stride_lae, stride_lar, stride_lak, stride_sm,
-    ROWS_ARE_TOKENS: tl.constexpr, A_SORTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_K_WIDE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_SLOTS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    ROWS_ARE_TOKENS: tl.constexpr, A_SORTED: tl.constexpr, BY_PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_K_WIDE: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ALL_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """shrunk[block rows] = a[rows] @ A[slot of the row, e]^T for one aligned block; blocks without an adapter are
-    skipped (their rows are never read). ALL_SLOTS: a block with several slots computes them side by side in one
-    pass over K (BLOCK_S * BLOCK_R columns) and each row keeps its own slot's; else (and for a block of one slot,
-    the common case at large M) one pass per slot in the block. One program per aligned block: slicing blocks
-    into 16-64-row programs measured slower (benchmarks/moe_lora_variants.py, BENCHMARKS.md section 1)."""
+    """shrunk[block rows] (BY_PAIR: shrunk[pairs]) = a[rows] @ A[slot of the row, e]^T for one aligned block;
+    blocks without an adapter are skipped (their rows are never read). ALL_SLOTS: a block with several slots
+    computes them side by side in one pass over K (BLOCK_S * BLOCK_R columns) and each row keeps its own slot's;
+    else (and for a block of one slot, the common case at large M) one pass per slot in the block. One program
+    per aligned block: slicing blocks into 16-64-row programs measured slower (BENCHMARKS.md section 1)."""
     pid_m = tl.program_id(0)
     hi = tl.load(block_hi_ptr + pid_m)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr) or hi < 0:
@@ -286,41 +299,32 @@ def moe_lora_shrink_kernel(
             acc += _shrink(a_ptr, rows, valid & (slot == s), la_ptr + s * stride_las + e * stride_lae, K, R,
                            stride_am, stride_ak, stride_lar, stride_lak, BLOCK_M, BLOCK_K, BLOCK_R, DOT_PRECISION)
     offs_r = tl.arange(0, BLOCK_R)
-    tl.store(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :], acc.to(shrunk_ptr.dtype.element_ty),
-             mask=(offs_r < R)[None, :])
+    if BY_PAIR:
+        tl.store(shrunk_ptr + pair.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+                 acc.to(shrunk_ptr.dtype.element_ty), mask=valid[:, None] & (offs_r < R)[None, :])
+    else:
+        tl.store(shrunk_ptr + offs_m[:, None] * stride_sm + offs_r[None, :], acc.to(shrunk_ptr.dtype.element_ty),
+                 mask=(offs_r < R)[None, :])
 
 
 @triton.jit
-def moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
-    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr,
-    N, K, P, R, top_k, num_blocks, alpha, limit,
+def _moe_tile(
+    a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr,
+    block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e, N, K, P, R, RS, top_k, alpha, limit,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
+    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be, stride_las, stride_lae, stride_lar,
+    stride_lak, stride_psm,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, EXPAND_FIRST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
+    A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, EXPAND_FIRST: tl.constexpr, SHRINK: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SHRUNK_BY_TOKEN: tl.constexpr,
 ):
-    """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
-    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up (CLAMPED_SWIGLU: GPT-OSS's form).
-    HAS_BIAS: bias [E, N] (GATED: [E, 2N]) added before the activation / the routing weight.
-    SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row.
-    EXPAND_FIRST: the LoRA delta goes into the accumulators before the main loop instead of after it.
-    A_SORTED: a's rows are block rows (a written in block order by OUT_SORTED, every row of a run block written).
-    W_TMA / A_TMA: w_ptr / a_ptr are tensor descriptors (blocks [1, BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K])."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """The first TILE_M rows (TILE_M <= BLOCK_M) of aligned block pid_m, output columns of N tile pid_n.
+    SHRINK: also the LoRA shrink a @ la[slot, e]^T of the block's rows over the same a tiles (all the block's slots
+    side by side, BLOCK_S * BLOCK_RS columns), stored by pair id into pair_shrunk."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     pair = tl.load(sorted_pairs_ptr + offs_m)
     valid = pair < P
     rows = (pair // top_k) if ROWS_ARE_TOKENS else pair
@@ -334,8 +338,8 @@ def moe_gemm_kernel(
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     if not W_TMA:
         w_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:  # the first slot's operands load before the main loop, so that their latency hides behind it
         lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
         hi = tl.load(block_hi_ptr + pid_m)
@@ -355,6 +359,17 @@ def moe_gemm_kernel(
             acc, acc_up = _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo,
                                        hi, e, offs_n, n_mask, r_mask, N, R, stride_lbs, stride_lbe, stride_lbn,
                                        stride_lbr, GATED, BLOCK_R, DOT_PRECISION)
+    if SHRINK:  # column c of the side-by-side shrink: slot c // BLOCK_RS, rank c % BLOCK_RS
+        s_lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
+        s_hi = tl.load(block_hi_ptr + pid_m)
+        s_slot = tl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)
+        offs_c = tl.arange(0, BLOCK_S * BLOCK_RS)
+        c_slot = offs_c // BLOCK_RS
+        c_rank = offs_c % BLOCK_RS
+        c_mask = (c_slot >= s_lo) & (c_slot <= s_hi) & (c_rank < RS)
+        la_ptrs = la_ptr + c_slot.to(tl.int64)[None, :] * stride_las + e * stride_lae + c_rank[None, :] * stride_lar \
+            + offs_k[:, None] * stride_lak  # [BK, BS*BRS]
+        wide = tl.zeros((TILE_M, BLOCK_S * BLOCK_RS), dtype=tl.float32)
     e32 = e.to(tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
@@ -363,6 +378,10 @@ def moe_gemm_kernel(
         else:
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
             a_ptrs += BLOCK_K * stride_ak
+        if SHRINK:
+            la = tl.load(la_ptrs, mask=k_mask[:, None] & c_mask[None, :], other=0.0)
+            wide += tl.dot(a, la, input_precision=DOT_PRECISION)
+            la_ptrs += BLOCK_K * stride_lak
         if W_TMA:
             w = w_ptr.load([e32, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
         else:
@@ -380,6 +399,12 @@ def moe_gemm_kernel(
         acc, acc_up = _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo, hi,
                                    e, offs_n, n_mask, r_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
                                    GATED, BLOCK_R, DOT_PRECISION)
+    if SHRINK:  # each row keeps its own slot's columns (exact zeros for rows of no adapter)
+        wide = tl.where(c_slot[None, :] == s_slot[:, None], wide, 0.0)
+        pair_shrunk = tl.sum(tl.reshape(wide, (TILE_M, BLOCK_S, BLOCK_RS)), axis=1)  # [TILE_M, BRS]
+        offs_rs = tl.arange(0, BLOCK_RS)
+        tl.store(pair_shrunk_ptr + pair.to(tl.int64)[:, None] * stride_psm + offs_rs[None, :],
+                 pair_shrunk.to(pair_shrunk_ptr.dtype.element_ty), mask=valid[:, None] & (offs_rs < RS)[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -392,7 +417,7 @@ def moe_gemm_kernel(
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    if OUT_SORTED:  # every row of the block, padding included, so that A_SORTED reads only written rows
+    if OUT_SORTED:  # every row of the tile, padding included, so that A_SORTED reads only written rows
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
     else:
@@ -400,27 +425,149 @@ def moe_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-SUM_BLOCK_H = 1024  # columns per program of the sum over k
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
+    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr,
+    N, K, P, R, RS, top_k, num_blocks, alpha, limit,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be, stride_las, stride_lae, stride_lar,
+    stride_lak, stride_psm,
+    GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+    A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, EXPAND_FIRST: tl.constexpr, HALF_TAIL: tl.constexpr,
+    PAIR_SHRINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr, BLOCK_S: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
+):
+    """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
+    GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up (CLAMPED_SWIGLU: GPT-OSS's form).
+    HAS_BIAS: bias [E, N] (GATED: [E, 2N]) added before the activation / the routing weight.
+    SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row.
+    EXPAND_FIRST: the LoRA delta goes into the accumulators before the main loop instead of after it.
+    HALF_TAIL: a block whose pairs all sit in its first BLOCK_M // 2 rows (an expert group's last block; the
+    padding follows the pairs) computes those rows only (a_half_ptr: a's descriptor of half-height blocks).
+    PAIR_SHRINK: N tile 0 of each block with adapter rows also computes their LoRA shrink a @ la[slot, e]^T
+    (la [S, Ea, RS, K]) from the a tiles it loads anyway, into pair_shrunk [P, RS] by pair id (the down GEMM with a
+    down B shared by all experts: moe_sum expands it); the other tiles do not wait for it.
+    A_SORTED: a's rows are block rows (a written in block order by OUT_SORTED, every computed row written).
+    W_TMA / A_TMA: w_ptr / a_ptr are tensor descriptors (blocks [1, BLOCK_N, BLOCK_K] / [BLOCK_M, BLOCK_K])."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    half = False
+    if HALF_TAIL:
+        half = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= P
+    shrink = False
+    if PAIR_SHRINK:
+        shrink = (pid_n == 0) & (tl.load(block_hi_ptr + pid_m) >= 0)
+    if half:
+        if shrink:
+            _moe_tile(a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
+                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
+                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
+                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M // 2,
+                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+        else:
+            _moe_tile(a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
+                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
+                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
+                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M // 2,
+                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+    else:
+        if shrink:
+            _moe_tile(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
+                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
+                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
+                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M,
+                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+        else:
+            _moe_tile(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
+                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
+                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
+                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
+                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M,
+                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+
+
+SUM_BLOCK_H = 1024  # columns per program of the sum over k (one token per program)
+SUM_LORA_BLOCKS = dict(BLOCK_T=16, BLOCK_H=256, num_warps=4)  # tokens x columns per program with a LoRA expand
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, out_ptr, H, top_k, stride_yt, stride_yj, stride_ot, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j y[t, j] in fp32, stored in out's dtype: one read of y, one write of out."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(0, top_k):
-        acc += tl.load(y_ptr + t * stride_yt + j * stride_yj + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, T, H, R, S,
+                   stride_yt, stride_yj, stride_ot, stride_st, stride_sj, stride_wt, stride_wj, stride_bs, stride_bh,
+                   stride_br,
+                   TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out[t] = sum_j y[t, j] in fp32 (j in order), stored in out's dtype: one read of y, one write of out.
+    HAS_LORA: plus (sum_j w[t, j] shrunk[t, j]) @ B[slot of t]^T, the down expand of a B shared by all experts
+    (rows of no adapter add exact zeros)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    row_mask = rows < T
+    mask = row_mask[:, None] & (cols < H)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # unrolled: all k loads in flight at once
+        acc += tl.load(y_ptr + rows64 * stride_yt + j * stride_yj + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    if HAS_LORA:
+        slot, lo, hi = row_slots(row_slot_ptr, row_slot_ptr, rows, row_mask, S, False)  # [BT], lo, hi
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        if hi >= lo:
+            shrunk = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+            for i in tl.static_range(TOP_K):  # the routing weights go on the shrink: sum_j w_j B (A_j a_j) = B sum_j
+                w = tl.load(w_ptr + rows64 * stride_wt + i * stride_wj, mask=row_mask[:, None],
+                            other=0.0).to(tl.float32)  # [BT, 1]
+                part = tl.load(s_ptr + rows64 * stride_st + i * stride_sj + offs_r[None, :],
+                               mask=(slot >= 0)[:, None] & r_mask[None, :], other=0.0)  # [BT, BR]
+                shrunk += w * part.to(tl.float32)
+            delta = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)  # apart from acc, which keeps the loads' layout
+            for s in range(lo, hi + 1):  # a tile's tokens nearly always share one slot
+                b = tl.load(b_ptr + s * stride_bs + cols[None, :] * stride_bh + offs_r[:, None] * stride_br,
+                            mask=r_mask[:, None] & (cols < H)[None, :], other=0.0)  # [BR, BH]
+                mine = tl.where((slot == s)[:, None], shrunk, 0.0)  # rows of other slots add exact zeros
+                delta = tl.dot(mine.to(b.dtype), b, delta, input_precision=DOT_PRECISION)
+            acc += delta
+    tl.store(out_ptr + rows64 * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_sum(y: torch.Tensor) -> torch.Tensor:
-    """[T, k, H] -> [T, H] in y's dtype, summed over k in fp32 (the j order fixed: deterministic)."""
+def moe_sum(y: torch.Tensor, lora=None) -> torch.Tensor:
+    """[T, k, H] -> [T, H] in y's dtype, summed over k in fp32 (the j order fixed: deterministic). `lora`:
+    (shrunk [T, k, R], topk_weights [T, k], token_slots [T], B [S, H, R]): adds each token's down expand of a B
+    shared by all experts, sum_j w_j shrunk[t, j] @ B[slot]^T (token slot -1: nothing)."""
     T, k, H = y.shape
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
-    moe_sum_kernel[(T, triton.cdiv(H, SUM_BLOCK_H))](y, out, H, k, y.stride(0), y.stride(1), out.stride(0),
-                                                     BLOCK_H=SUM_BLOCK_H, num_warps=4)
+    if lora is None:
+        moe_sum_kernel[(T, triton.cdiv(H, SUM_BLOCK_H))](
+            y, out, y, y, y, y, T, H, 0, 0, y.stride(0), y.stride(1), out.stride(0), 0, 0, 0, 0, 0, 0, 0,
+            TOP_K=k, HAS_LORA=False, BLOCK_T=1, BLOCK_H=SUM_BLOCK_H, BLOCK_R=16, DOT_PRECISION="ieee", num_warps=4)
+        return out
+    shrunk, weights, slots, B = lora
+    S, R = B.shape[0], B.shape[2]
+    blocks = dict(SUM_LORA_BLOCKS)
+    grid = (triton.cdiv(T, blocks["BLOCK_T"]), triton.cdiv(H, blocks["BLOCK_H"]))
+    moe_sum_kernel[grid](
+        y, out, shrunk, weights, B, slots, T, H, R, S, y.stride(0), y.stride(1), out.stride(0), shrunk.stride(0),
+        shrunk.stride(1), weights.stride(0), weights.stride(1), B.stride(0), B.stride(1), B.stride(2), TOP_K=k,
+        HAS_LORA=True, BLOCK_R=max(16, triton.next_power_of_2(R)),
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32", **blocks)
     return out
 
 
@@ -429,63 +576,83 @@ def _expert_stride(t: torch.Tensor) -> int:
     return t.stride(1) if t.shape[1] > 1 else 0
 
 
-def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_A=None, lora_B=None,
-             token_shrunk=None, bias=None, activation="silu", alpha=1.702, limit=7.0, config, w_tma=False,
-             a_tma=False, a_sorted=False, out_sorted=False, expand_first=False):
-    """Launch the grouped GEMM (and, with LoRA, its shrink) over every aligned block. Grids come from
-    host-known sizes only, so the launches can be captured in a CUDA graph. `token_shrunk` [T, R]: the
-    shrink already done per token (an A shared by all experts), so no per-pair shrink runs. `config`: one GEMM's
-    tiles (MoeConfig.tiles). Layout: `w_tma` / `a_tma` load w / a through TMA descriptors (see tma_ready; a_tma
-    needs a_sorted), `a_sorted` reads a's rows by block row, `out_sorted` writes out's rows by block row.
-    `expand_first`: the LoRA delta starts the accumulators (MoeConfig.expand_first)."""
+def moe_lora_shrink(a, lora_A, align, *, rows_are_tokens, top_k, a_sorted=False, by_pair=False) -> torch.Tensor:
+    """The per-block LoRA shrink a[rows] @ lora_A[slot, e]^T of every aligned block with adapter rows, in a's
+    dtype (the expand rounds it to that anyway: same numbers, half the bytes): [blocks * BLOCK_M, R] by block
+    row, or with `by_pair` [P, R] by pair id. Rows of blocks without an adapter are left unwritten."""
+    R = lora_A.shape[2]
+    BLOCK_R = max(16, triton.next_power_of_2(R))
+    BM = align.block_m
+    rows = align.num_pairs if by_pair else align.num_blocks * BM
+    shrunk = torch.empty(rows, R, dtype=a.dtype, device=a.device)
+    BLOCK_S = triton.next_power_of_2(lora_A.shape[0])  # adapter slots, padded
+    all_slots = BLOCK_S * BLOCK_R <= ALL_SLOTS_MAX
+    moe_lora_shrink_kernel[(align.num_blocks,)](
+        a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
+        align.block_slot_lo, align.block_slot_hi, a.shape[1], align.num_pairs, R, top_k,
+        a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
+        shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, A_SORTED=a_sorted, BY_PAIR=by_pair, BLOCK_R=BLOCK_R,
+        BLOCK_M=BM, BLOCK_K=shrink_block_k(BM, BLOCK_R, a.dtype),
+        BLOCK_K_WIDE=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S,
+        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
+    return shrunk
+
+
+def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=None, lora_B=None, shrunk=None,
+             shrunk_by_token=False, bias=None, activation="silu", alpha=1.702, limit=7.0, config, w_tma=False,
+             a_tma=False, a_sorted=False, out_sorted=False, expand_first=False, half_tail=False, pair_shrink=None):
+    """Launch the grouped GEMM over every aligned block. Grids come from host-known sizes only, so the launches
+    can be captured in a CUDA graph. LoRA: `lora_B` [S, Eb, N (gated: 2N), R] and the shrink `shrunk`, by block
+    row [blocks * BLOCK_M, R] (moe_lora_shrink) or with `shrunk_by_token` by token [T, R] (an A shared by all
+    experts: dense_lora_shrink). `pair_shrink` (not gated, no lora_B): (la [S, Ea, RS, K], out [P, RS]): N tile 0
+    of each block also writes its rows' shrink a @ la[slot, e]^T by pair id (the adapter slots side by side: needs
+    S * RS within ALL_SLOTS_MAX after padding). `config`: one GEMM's tiles (MoeConfig.tiles). Layout: `w_tma` /
+    `a_tma` load w / a through TMA descriptors (see tma_ready; a_tma needs a_sorted), `a_sorted` reads a's rows by
+    block row, `out_sorted` writes out's rows by block row. `expand_first`: the LoRA delta starts the accumulators
+    (MoeConfig.expand_first); `half_tail`: blocks with pairs in their first half only compute that half
+    (MoeConfig.half_tail; needs BLOCK_M >= 32 on a GPU)."""
     assert a_sorted or not a_tma, "a TMA descriptor reads a by block row: a_tma needs a_sorted"
     N = w.shape[1] // 2 if gated else w.shape[1]
     K = w.shape[2]
     BM = config["BLOCK_M"]
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 stays fp32; 16-bit inputs ignore it
-    if token_shrunk is not None:
-        R = token_shrunk.shape[1]
-        BLOCK_R = max(16, triton.next_power_of_2(R))
-        lora = (token_shrunk, lora_B, token_shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B),
-                lora_B.stride(2), lora_B.stride(3))
-    elif lora_A is not None:
-        R = lora_A.shape[2]
-        BLOCK_R = max(16, triton.next_power_of_2(R))
-        # [blocks*BM, R] in a's dtype: the expand rounds the shrink to the weights' dtype anyway
-        shrunk = torch.empty(align.num_blocks * BM, R, dtype=a.dtype, device=a.device)
-        BLOCK_S = triton.next_power_of_2(lora_A.shape[0])  # adapter slots, padded
-        all_slots = BLOCK_S * BLOCK_R <= ALL_SLOTS_MAX
-        moe_lora_shrink_kernel[(align.num_blocks,)](
-            a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
-            align.block_slot_lo, align.block_slot_hi, K, align.num_pairs, R, top_k,
-            a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
-            shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, A_SORTED=a_sorted, BLOCK_R=BLOCK_R, BLOCK_M=BM,
-            BLOCK_K=shrink_block_k(BM, BLOCK_R, a.dtype),
-            BLOCK_K_WIDE=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
-            DOT_PRECISION=precision, ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S, num_warps=SHRINK_WARPS,
-            num_stages=SHRINK_STAGES)
-        lora = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
-                lora_B.stride(3))
+    if lora_B is not None:
+        R = shrunk.shape[1]
+        lora_args = (shrunk, lora_B, shrunk.stride(0), lora_B.stride(0), _expert_stride(lora_B), lora_B.stride(2),
+                     lora_B.stride(3))
     else:
-        R, BLOCK_R = 0, 16
-        lora = (a, a, 0, 0, 0, 0, 0)
-    shrunk, lb, *lora_strides = lora
+        R = 0
+        lora_args = (a, a, 0, 0, 0, 0, 0)
+    shrunk, lb, *lora_strides = lora_args
+    if pair_shrink is not None:
+        assert not gated and lora_B is None, "the pair shrink rides on the down GEMM without a LoRA expand"
+        la, pair_shrunk = pair_shrink
+        RS, BLOCK_S = la.shape[2], triton.next_power_of_2(la.shape[0])
+        shrink_args = (la, pair_shrunk, RS, la.stride(0), _expert_stride(la), la.stride(2), la.stride(3),
+                       pair_shrunk.stride(0))
+    else:
+        RS, BLOCK_S = 0, 1
+        shrink_args = (a, a, 0, 0, 0, 0, 0, 0)
+    BLOCK_RS = max(16, triton.next_power_of_2(RS))
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
     w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w
     a_arg = TensorDescriptor.from_tensor(a, [BM, config["BLOCK_K"]]) if a_tma else a
+    a_half = TensorDescriptor.from_tensor(a, [BM // 2, config["BLOCK_K"]]) if a_tma and half_tail else a_arg
     moe_gemm_kernel[grid](
-        a_arg, w_arg, out, align.sorted_pairs, align.block_expert, align.num_padded,
+        a_arg, a_half, w_arg, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
         shrunk, lb, *(t if t is not None else a for t in (align.token_slots, align.block_slot_lo, align.block_slot_hi)),
-        bias if bias is not None else a,
-        N, K, align.num_pairs, R, top_k, align.num_blocks, alpha, limit,
+        bias if bias is not None else a, *shrink_args[:2],
+        N, K, align.num_pairs, R, shrink_args[2], top_k, align.num_blocks, alpha, limit,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        *lora_strides, bias.stride(0) if bias is not None else 0,
+        *lora_strides, bias.stride(0) if bias is not None else 0, *shrink_args[3:],
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, W_TMA=w_tma, A_TMA=a_tma, A_SORTED=a_sorted,
         OUT_SORTED=out_sorted, MUL_WEIGHT=topk_weights is not None,
         HAS_LORA=lora_B is not None, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=activation == "clamped_swiglu",
-        BLOCK_R=BLOCK_R, DOT_PRECISION=precision, SHRUNK_BY_TOKEN=token_shrunk is not None,
-        EXPAND_FIRST=expand_first, **config,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), DOT_PRECISION=precision, SHRUNK_BY_TOKEN=shrunk_by_token,
+        EXPAND_FIRST=expand_first, HALF_TAIL=half_tail, PAIR_SHRINK=pair_shrink is not None, BLOCK_RS=BLOCK_RS,
+        BLOCK_S=BLOCK_S, **config,
     )
     return out
 
@@ -503,19 +670,37 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     align = moe_align(topk_ids, E, BM, token_slots if lora is not None else None, num_slots)
     act_rows = align.num_blocks * BM if config.sorted_act else T * k
     act = torch.empty(act_rows, I, dtype=x.dtype, device=x.device)  # [P, I], or [NB * BM, I] in block order
-    token_shrunk = None
-    if lora is not None and lora.gate_up_A.shape[1] == 1:  # gate_up A shared by all experts: shrink per token
-        meta = lora_meta if lora_meta is not None else lora_metadata(token_slots, num_slots)
-        token_shrunk = dense_lora_shrink(x, lora.gate_up_A[:, 0], meta)  # [T, R]
-    moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k,
-             lora_A=lora.gate_up_A if lora is not None else None, lora_B=lora.gate_up_B if lora is not None else None,
-             token_shrunk=token_shrunk, bias=gate_up_bias, activation=activation, alpha=alpha, limit=limit,
-             config=config.tiles("gate_up"), w_tma=config.w_tma and tma_ready(w_gate_up),
-             out_sorted=config.sorted_act, expand_first=config.expand_first)
+    gate_up_lora, down_lora, sum_lora = {}, {}, None
+    if lora is not None:
+        if lora.gate_up_A.shape[1] == 1:  # gate_up A shared by all experts: shrink per token
+            meta = lora_meta if lora_meta is not None else lora_metadata(token_slots, num_slots)
+            gate_up_lora = dict(shrunk=dense_lora_shrink(x, lora.gate_up_A[:, 0], meta), shrunk_by_token=True)
+        else:
+            gate_up_lora = dict(shrunk=moe_lora_shrink(x, lora.gate_up_A, align, rows_are_tokens=True, top_k=k))
+        gate_up_lora["lora_B"] = lora.gate_up_B
+    moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k, bias=gate_up_bias,
+             activation=activation, alpha=alpha, limit=limit, config=config.tiles("gate_up"),
+             w_tma=config.w_tma and tma_ready(w_gate_up), out_sorted=config.sorted_act,
+             expand_first=config.expand_first, half_tail=config.half_tail, **gate_up_lora)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
+    if lora is not None:
+        R_down = lora.down_A.shape[2]
+        if lora.down_B.shape[1] == 1:  # down B shared by all experts: its expand goes into the sum over k
+            side_by_side = triton.next_power_of_2(num_slots) * max(16, triton.next_power_of_2(R_down))
+            if config.pair_shrink and side_by_side <= ALL_SLOTS_MAX:
+                shrunk = torch.empty(T * k, R_down, dtype=x.dtype, device=x.device)  # [P, R]: by the down GEMM
+                down_lora = dict(pair_shrink=(lora.down_A, shrunk))
+            else:
+                shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
+                                         a_sorted=config.sorted_act, by_pair=True)  # [P, R]
+            sum_lora = (shrunk.view(T, k, R_down), topk_weights, token_slots, lora.down_B[:, 0])
+        else:
+            shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
+                                     a_sorted=config.sorted_act)  # [blocks * BM, R]
+            down_lora = dict(lora_B=lora.down_B, shrunk=shrunk)
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
-             topk_weights=topk_weights.reshape(-1), lora_A=lora.down_A if lora is not None else None,
-             lora_B=lora.down_B if lora is not None else None, bias=down_bias, config=config.tiles("down"),
+             topk_weights=topk_weights.reshape(-1), bias=down_bias, config=config.tiles("down"),
              w_tma=config.w_tma and tma_ready(w_down), a_sorted=config.sorted_act,
-             a_tma=config.sorted_act and config.w_tma and tma_ready(act), expand_first=config.expand_first)
-    return moe_sum(y.view(T, k, H))  # [T, H]
+             a_tma=config.sorted_act and config.w_tma and tma_ready(act), expand_first=config.expand_first,
+             half_tail=config.half_tail, **down_lora)
+    return moe_sum(y.view(T, k, H), sum_lora)  # [T, H]

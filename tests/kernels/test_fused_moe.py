@@ -19,10 +19,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton inter
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 _TILES = {k: v for k, v in SMALL.items() if k != "BLOCK_M"}
 # operand layouts: pointers; expert weights through TMA descriptors; and the activation in block order read
-# through a descriptor too; and the LoRA delta added before the main loop (kernels/fused_moe.py MoeConfig)
+# through a descriptor too; and the LoRA delta added before the main loop; half-height tail blocks; the down
+# shrink inside the down GEMM (kernels/fused_moe.py MoeConfig)
 LAYOUTS = {"ptr": MoeConfig(16, _TILES, _TILES), "w_tma": MoeConfig(16, _TILES, _TILES, w_tma=True),
            "sorted_act": MoeConfig(16, _TILES, _TILES, w_tma=True, sorted_act=True),
-           "expand_first": MoeConfig(16, _TILES, _TILES, w_tma=True, expand_first=True)}
+           "expand_first": MoeConfig(16, _TILES, _TILES, w_tma=True, expand_first=True),
+           "half_tail": MoeConfig(32, _TILES, _TILES, w_tma=True, sorted_act=True, half_tail=True),
+           "pair_shrink": MoeConfig(32, _TILES, _TILES, w_tma=True, expand_first=True, half_tail=True,
+                                    pair_shrink=True)}
 INTERPRETER_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
 
@@ -126,6 +130,32 @@ def test_moe_sum_over_k(seed, dtype):
 
 
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
+def test_moe_sum_with_shared_down_expand(seed, dtype, tol):
+    """The sum over k plus the expand of a down B shared by all experts: out[t] = sum_j y[t, j] +
+    (sum_j w[t, j] shrunk[t, j]) @ B[slot]^T; tokens of no adapter read no shrink row (NaN there) and equal the
+    plain sum bit for bit; tiles with several slots and a ragged last tile (T past one BLOCK_T, H past BLOCK_H)."""
+    g = torch.Generator().manual_seed(seed)
+    T, k, H, R, S = 37, 3, fused_moe_module.SUM_LORA_BLOCKS["BLOCK_H"] + 24, 8, 3
+    y = torch.randn(T, k, H, generator=g).to(DEVICE, dtype)
+    shrunk = torch.randn(T, k, R, generator=g)
+    weights = torch.rand(T, k, generator=g) + 0.5
+    B = 0.5 * torch.randn(S, H, R, generator=g)
+    slots = torch.randint(-1, S, (T,), generator=g)
+    shrunk[slots == -1] = float("nan")  # never written by the shrink kernel: must not be read
+    out = moe_sum(y, (shrunk.to(DEVICE, dtype), weights.to(DEVICE, dtype), slots.to(DEVICE), B.to(DEVICE, dtype)))
+    ref = y.double().sum(1)
+    for t in range(T):
+        if slots[t] >= 0:
+            shrunk_t = (weights.to(dtype)[t, :, None].double() * shrunk.to(dtype)[t].double()).sum(0)  # [R]
+            ref[t] += (B.to(dtype)[slots[t]].double() @ shrunk_t).to(DEVICE)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < tol
+    plain = moe_sum(y)
+    assert torch.equal(out[slots.to(DEVICE) == -1], plain[slots.to(DEVICE) == -1])
+    assert rel_err(plain, ref) > 0.05  # the expand matters, so the test can fail
+
+
+@pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
 def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
     """Each launch of the grouped GEMM, into NaN-poisoned outputs: gate_up+act, then down * weight."""
     g = torch.Generator().manual_seed(seed)
@@ -144,6 +174,46 @@ def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
     y = torch.full((T * k, H), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm(act, w_d, y, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights.reshape(-1),
              config=SMALL)
+    y_ref = torch.einsum("pi,phi->ph", act.float(), w_d.float()[ids.reshape(-1)]) * weights.reshape(-1, 1).float()
+    assert not y.isnan().any()
+    assert rel_err(y, y_ref) < tol
+
+
+def sized_routing(sizes, k, g):
+    """Routing in which expert e gets exactly sizes[e] pairs (each token's k experts distinct), rows shuffled."""
+    experts = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))  # [T*k] sorted by expert
+    T = experts.numel() // k
+    assert max(sizes) <= T
+    ids = experts.view(k, T).T  # [T, k]: token t gets experts[t], experts[t + T], ... (distinct: runs <= T)
+    ids = ids[torch.randperm(T, generator=g)]
+    return ids.to(DEVICE), torch.rand(T, k, generator=g).to(DEVICE) + 0.5
+
+
+@pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
+def test_moe_gemm_half_tail_blocks(seed, dtype, tol):
+    """half_tail: blocks whose pairs fit in their first half compute that half only. Expert groups of 10 (one
+    half block), 45 (a full block and a half one), 25 and 20 (full blocks), none; NaN-poisoned outputs."""
+    g = torch.Generator().manual_seed(seed)
+    k, H, I, BM = 2, 32, 24, 32
+    ids, weights = sized_routing([0, 10, 45, 25, 20], k, g)
+    T, E = ids.shape[0], 5
+    config = dict(SMALL, BLOCK_M=BM)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    align = moe_align(ids, E, BM)
+    pairs = align.sorted_pairs[:int(align.num_padded)].view(-1, BM)  # [blocks, BM]
+    half = (pairs[:, BM // 2:] >= T * k).all(1)  # [blocks]
+    assert half.sum() == 2 and (~half).sum() == 3  # both kinds of blocks are there
+    act = torch.full((T * k, I), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm(x, w_gu, act, align, gated=True, rows_are_tokens=True, top_k=k, config=config, half_tail=True)
+    gu = torch.einsum("th,tjnh->tjn", x.float(), w_gu.float()[ids])  # [T, k, 2I]
+    act_ref = (torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]).reshape(T * k, I)
+    assert not act.isnan().any()
+    assert rel_err(act, act_ref) < tol
+    y = torch.full((T * k, H), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm(act, w_d, y, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights.reshape(-1),
+             config=config, half_tail=True)
     y_ref = torch.einsum("pi,phi->ph", act.float(), w_d.float()[ids.reshape(-1)]) * weights.reshape(-1, 1).float()
     assert not y.isnan().any()
     assert rel_err(y, y_ref) < tol
@@ -216,9 +286,11 @@ def _float(lora):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [64, 1024, 2048, 8192])
-def test_fused_moe_bf16_qwen3_30b_shapes(T):
-    """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; rank 16, 4 adapters; bf16 vs fp32 reference. The sizes
-    reach every CONFIGS entry (TMA weights from 1024 tokens, the block-ordered activation at 8192)."""
+@pytest.mark.parametrize("shared_outer", [True, False])
+def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer):
+    """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; rank 16, 4 adapters (shared-outer or per-expert factors);
+    bf16 vs fp32 reference. The sizes reach every CONFIGS entry (TMA weights from 1024 tokens, half-height tail
+    blocks from 2048, the block-ordered activation at 8192)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     E, k, H, I, S, R = 128, 8, 2048, 768, 4, 16
     dev = "cuda"
@@ -226,7 +298,7 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T):
     ids, weights = routing(T, E, k, g, device=dev)
     w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dev, torch.bfloat16)
     w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(dev, torch.bfloat16)
-    lora = expert_lora(S, E, H, I, R, g, torch.bfloat16)
+    lora = expert_lora(S, E, H, I, R, g, torch.bfloat16, shared_outer=shared_outer)
     lora = ExpertLoRA(*(getattr(lora, n).to(dev) for n in ("gate_up_A", "gate_up_B", "down_A", "down_B")),
                       slots=lora.slots)
     slots = torch.randint(-1, S, (T,), generator=g).to(dev)
@@ -249,7 +321,7 @@ def test_pick_config_by_pairs_per_expert():
     halves the K step and the pipeline of both GEMMs (4-byte tiles)."""
     small, large = pick_config(64, 8, 128), pick_config(16384, 8, 128)
     assert small.block_m == 16 and not small.w_tma and not small.sorted_act
-    assert large.block_m == 128 and large.w_tma and large.sorted_act
+    assert large.block_m == 128 and large.w_tma and large.sorted_act and large.half_tail and large.pair_shrink
     fp32 = pick_config(16384, 8, 128, torch.float32)
     assert fp32.block_m == 128 and fp32.w_tma == large.w_tma
     assert all(getattr(fp32, g)["BLOCK_K"] <= 32 and getattr(fp32, g)["num_stages"] == 2 for g in ("gate_up", "down"))
