@@ -1,7 +1,7 @@
 """Tile and operand-layout sweep for the two grouped GEMMs of the fused MoE, each on its own (they have different
 shapes: gate_up N=2*768 K=2048, down N=2048 K=768), and where one layer's time goes, component by component.
 
-    python benchmarks/moe_tiles.py --tokens 2048,4096,16384 [--out tiles.csv]
+    python benchmarks/moe_tiles.py --tokens 2048,4096,16384 [--group-m 8] [--out tiles.csv]
 
 Layouts (kernels/fused_moe.py): `ptr` loads both operands through pointers (rows gathered by pair id);
 `w_tma` loads the expert weights through a TMA tensor descriptor; `sorted` (down only) reads the activation
@@ -30,11 +30,11 @@ def time_graph(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-def tile_grid(T):
+def tile_grid(T, group_ms=(8,)):
     block_m = pick_config(T, K_TOP, E).block_m
     grid = []
-    for bn, bk, nw in itertools.product((64, 128, 256), (64, 128), (4, 8)):
-        grid.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=nw,
+    for bn, bk, nw, gm in itertools.product((64, 128, 256), (64, 128), (4, 8), group_ms):
+        grid.append(dict(BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
                          num_stages=4 if bk == 64 else 3))
     return grid
 
@@ -47,7 +47,7 @@ def layout_args(gemm, layout):
     return dict(w_tma=True, a_tma=True, a_sorted=True)
 
 
-def sweep(T, g, rows, out_csv):
+def sweep(T, g, rows, out_csv, group_ms=(8,)):
     """Time every (tile, layout) of both GEMMs; each result is also checked against the einsum of the same pairs."""
     bf = torch.bfloat16
     w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
@@ -61,7 +61,8 @@ def sweep(T, g, rows, out_csv):
     gu = torch.einsum("ph,pnh->pn", x[sample // K_TOP].float(), w_gu[flat[sample]].float())
     ref = {"gate_up": torch.nn.functional.silu(gu[:, :I]) * gu[:, I:],
            "down": torch.einsum("pi,phi->ph", act[sample].float(), w_d[flat[sample]].float()) / K_TOP}
-    for cfg in tile_grid(T):
+    half_tail = pick_config(T, K_TOP, E).half_tail  # as the layer runs them
+    for cfg in tile_grid(T, group_ms):
         align = moe_align(ids, E, cfg["BLOCK_M"])
         act_sorted = act[align.sorted_pairs.long().clamp(0, T * K_TOP - 1)]  # [NB * BM, I] block order
         out_gu = torch.empty(T * K_TOP, I, device="cuda", dtype=bf)
@@ -74,12 +75,12 @@ def sweep(T, g, rows, out_csv):
                 if gemm == "gate_up":
                     out = out_gu
                     fn = lambda: moe_gemm(x, w_gu, out_gu, align, gated=True, rows_are_tokens=True, top_k=K_TOP,  # noqa: E731
-                                          config=cfg, **kw)
+                                          config=cfg, half_tail=half_tail, **kw)
                 else:
                     out = out_d
                     a = act_sorted if layout == "sorted" else act
                     fn = lambda: moe_gemm(a, w_d, out_d, align, gated=False, rows_are_tokens=False,  # noqa: E731
-                                          top_k=K_TOP, topk_weights=w, config=cfg, **kw)
+                                          top_k=K_TOP, topk_weights=w, config=cfg, half_tail=half_tail, **kw)
                 try:
                     out.fill_(float("nan"))
                     fn()
@@ -104,11 +105,12 @@ def components(T, t):
     act = torch.empty(align.num_blocks * cfg.block_m, I, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(T * K_TOP, H, device="cuda", dtype=torch.bfloat16)
     weights = torch.softmax(torch.randn(T, K_TOP, device="cuda"), -1).to(torch.bfloat16)
-    sort = dict(a_sorted=cfg.sorted_act, a_tma=cfg.sorted_act and cfg.w_tma)
+    sort = dict(a_sorted=cfg.sorted_act, a_tma=cfg.sorted_act and cfg.w_tma, half_tail=cfg.half_tail)
     parts = {  # the default tiles and layout
         "alignment": lambda: moe_align(t["ids"], E, cfg.block_m),
         "gate_up": lambda: moe_gemm(t["x"], t["w_gu"], act, align, gated=True, rows_are_tokens=True, top_k=K_TOP,
-                                    config=cfg.tiles("gate_up"), w_tma=cfg.w_tma, out_sorted=cfg.sorted_act),
+                                    config=cfg.tiles("gate_up"), w_tma=cfg.w_tma, out_sorted=cfg.sorted_act,
+                                    half_tail=cfg.half_tail),
         "down": lambda: moe_gemm(act, t["w_d"], y, align, gated=False, rows_are_tokens=False, top_k=K_TOP,
                                  topk_weights=t["w"], config=cfg.tiles("down"), w_tma=cfg.w_tma, **sort),
         "sum over k": lambda: moe_sum(y.view(T, K_TOP, H)),
@@ -130,14 +132,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="2048,4096,16384")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--group-m", default="8", help="comma-separated GROUP_M values to sweep")
     args = parser.parse_args()
+    group_ms = tuple(int(v) for v in args.group_m.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        tensors = sweep(T, g, rows, args.out)
+        tensors = sweep(T, g, rows, args.out, group_ms)
         components(T, tensors)
     table = pd.DataFrame(rows)
-    keys = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"]
+    keys = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"]
     best = table.sort_values("ms").groupby(["tokens", "gemm", "layout"]).head(2)
     print(f"largest relative error against the einsum: {table['rel_err'].max():.2e}")
     print(best.sort_values(["tokens", "gemm", "ms"])[["tokens", "gemm", "layout", "ms", *keys]]
