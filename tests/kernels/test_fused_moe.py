@@ -155,28 +155,35 @@ def test_moe_sum_with_shared_down_expand(seed, dtype, tol):
     assert rel_err(plain, ref) > 0.05  # the expand matters, so the test can fail
 
 
-@pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
-def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
-    """Each launch of the grouped GEMM, into NaN-poisoned outputs: gate_up+act, then down * weight."""
-    g = torch.Generator().manual_seed(seed)
-    T, k, E, H, I = 19, 2, 5, 32, 24
+def check_gemm_stages(ids, weights, E, H, I, config, g, dtype, tol, **layout):
+    """Each launch of the grouped GEMM into NaN-poisoned outputs against an einsum: gate_up + activation, then
+    down * routing weight."""
+    T, k = ids.shape
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    ids, weights = routing(T, E, k, g, skip_expert=4)
     w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
     w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
-    align = moe_align(ids, E, SMALL["BLOCK_M"])
+    align = moe_align(ids, E, config["BLOCK_M"])
     act = torch.full((T * k, I), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm(x, w_gu, act, align, gated=True, rows_are_tokens=True, top_k=k, config=SMALL)
+    moe_gemm(x, w_gu, act, align, gated=True, rows_are_tokens=True, top_k=k, config=config, **layout)
     gu = torch.einsum("th,tjnh->tjn", x.float(), w_gu.float()[ids])  # [T, k, 2I]
     act_ref = (torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]).reshape(T * k, I)
     assert not act.isnan().any()
     assert rel_err(act, act_ref) < tol
     y = torch.full((T * k, H), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm(act, w_d, y, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights.reshape(-1),
-             config=SMALL)
+             config=config, **layout)
     y_ref = torch.einsum("pi,phi->ph", act.float(), w_d.float()[ids.reshape(-1)]) * weights.reshape(-1, 1).float()
     assert not y.isnan().any()
     assert rel_err(y, y_ref) < tol
+    return align
+
+
+@pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
+def test_moe_gemm_stages_write_every_output(seed, dtype, tol):
+    """Both launches of the grouped GEMM write every output (an expert without tokens among them)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, weights = routing(19, 5, 2, g, skip_expert=4)
+    check_gemm_stages(ids, weights, 5, 32, 24, SMALL, g, dtype, tol)
 
 
 def sized_routing(sizes, k, g):
@@ -194,29 +201,12 @@ def test_moe_gemm_half_tail_blocks(seed, dtype, tol):
     """half_tail: blocks whose pairs fit in their first half compute that half only. Expert groups of 10 (one
     half block), 45 (a full block and a half one), 25 and 20 (full blocks), none; NaN-poisoned outputs."""
     g = torch.Generator().manual_seed(seed)
-    k, H, I, BM = 2, 32, 24, 32
+    k, BM = 2, 32
     ids, weights = sized_routing([0, 10, 45, 25, 20], k, g)
-    T, E = ids.shape[0], 5
-    config = dict(SMALL, BLOCK_M=BM)
-    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
-    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
-    align = moe_align(ids, E, BM)
+    align = check_gemm_stages(ids, weights, 5, 32, 24, dict(SMALL, BLOCK_M=BM), g, dtype, tol, half_tail=True)
     pairs = align.sorted_pairs[:int(align.num_padded)].view(-1, BM)  # [blocks, BM]
-    half = (pairs[:, BM // 2:] >= T * k).all(1)  # [blocks]
-    assert half.sum() == 2 and (~half).sum() == 3  # both kinds of blocks are there
-    act = torch.full((T * k, I), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm(x, w_gu, act, align, gated=True, rows_are_tokens=True, top_k=k, config=config, half_tail=True)
-    gu = torch.einsum("th,tjnh->tjn", x.float(), w_gu.float()[ids])  # [T, k, 2I]
-    act_ref = (torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]).reshape(T * k, I)
-    assert not act.isnan().any()
-    assert rel_err(act, act_ref) < tol
-    y = torch.full((T * k, H), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm(act, w_d, y, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights.reshape(-1),
-             config=config, half_tail=True)
-    y_ref = torch.einsum("pi,phi->ph", act.float(), w_d.float()[ids.reshape(-1)]) * weights.reshape(-1, 1).float()
-    assert not y.isnan().any()
-    assert rel_err(y, y_ref) < tol
+    half = (pairs[:, BM // 2:] >= ids.numel()).all(1)  # [blocks]
+    assert half.sum() == 2 and (~half).sum() == 3  # both kinds of blocks were there
 
 
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
