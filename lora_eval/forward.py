@@ -61,12 +61,15 @@ class Forward:
         return y
 
     # ---- ops ---------------------------------------------------------------------------------------------
-    def linear(self, module, x: torch.Tensor, with_lora: bool = True, residual: torch.Tensor | None = None):
+    def linear(self, module, x: torch.Tensor, with_lora: bool = True, residual: torch.Tensor | None = None,
+               y: torch.Tensor | None = None):
         """x [T, in] -> [T, out]; `with_lora=False`: without the rows' LoRA deltas (the caller adds them);
         `residual` [T, out]: return residual + the projection (on the Triton path the LoRA expand runs inside that
-        sum: dense_lora.lora_residual_add)."""
+        sum: dense_lora.lora_residual_add); `y`: the base projection x W^T (+ b) when the caller computed it (one
+        GEMM of a projection group, `linears`)."""
         base = F.linear if self.triton else linear_ref
-        y = base(x, module.weight, module.bias)  # [T, out]
+        if y is None:
+            y = base(x, module.weight, module.bias)  # [T, out]
         if self.stack is None:
             return y if residual is None else residual + y
         override = self.stack.overrides.get(module.site)
@@ -87,24 +90,27 @@ class Forward:
         return y if residual is None else residual + y
 
     def linears(self, modules, x: torch.Tensor, head_norms=None, rope=None) -> list[torch.Tensor]:
-        """Projections of one input: [linear(m, x) for m in modules]. On the Triton path members of one
-        SharedShrink (adapters/stack.py) shrink x once together, then each expands from its own columns.
+        """Projections of one input: [linear(m, x) for m in modules]. On the Triton path the members of a projection
+        group (models.layers.ProjectionGroup) take their base from one GEMM, and members of one SharedShrink
+        (adapters/stack.py) shrink x once together, then each expands from its own columns.
         `head_norms` with `rope` = (cos, sin) [B, L, D]: per module an RMSNorm over each head of its output followed
         by RoPE (Qwen3's q and k), or None; such an output comes back as [B, heads, L, D]
         (kernels/head_norm_rope.py, on the Triton path with the module's LoRA expand in the same pass)."""
         head_norms = head_norms or (None,) * len(modules)
+        bases = self._grouped_bases(modules, x)
         shared = self.stack.shared if self.triton and self.stack is not None else {}
         groups = {id(shared[m.site]): shared[m.site] for m in modules if m.site in shared}
         group = next(iter(groups.values())) if len(groups) == 1 else None
         if group is None or any(m.site in self.stack.dense and m.site not in group.columns for m in modules):
-            return [self._head_norm_rope(norm, self.linear(m, x), rope) for m, norm in zip(modules, head_norms)]
+            return [self._head_norm_rope(norm, self.linear(m, x, y=y), rope)
+                    for m, norm, y in zip(modules, head_norms, bases)]
         from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
         from .kernels.head_norm_rope import head_norm_rope
 
         shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [T, sum R]
         outs = []
-        for module, norm in zip(modules, head_norms):
-            y = self.linear(module, x, with_lora=False)  # [T, out]
+        for module, norm, base in zip(modules, head_norms, bases):
+            y = self.linear(module, x, with_lora=False, y=base)  # [T, out]
             if module.site in group.columns:
                 first, rank = group.columns[module.site]
                 lora = self.stack.dense[module.site]
@@ -116,6 +122,14 @@ class Forward:
                 dense_lora_expand(y, columns, lora.B, self.meta, slot_mask=lora.slot_mask)
             outs.append(self._head_norm_rope(norm, y, rope))
         return outs
+
+    def _grouped_bases(self, modules, x: torch.Tensor) -> list[torch.Tensor | None]:
+        """On the Triton path, the base projections of a projection group (models.layers.ProjectionGroup) from one
+        GEMM: column views [T, out] of one [T, sum out] output; else one None per module (each computes its own)."""
+        group = getattr(modules[0], "group", None)
+        if not self.triton or group is None or not group.serves(modules):
+            return [None] * len(modules)
+        return list(F.linear(x, group.weight, group.bias).split(group.outs, dim=1))  # [T, out] each
 
     def _fused_head_norm(self, norm, rope) -> bool:
         """Whether head_norm_rope serves this norm: the Triton path and RoPE over the whole head."""

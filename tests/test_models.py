@@ -247,6 +247,43 @@ def test_bf16_load_keeps_bf16_and_fuses_experts(bf16_checkpoint):
                                rtol=0, atol=0)
 
 
+def test_projections_of_one_input_share_one_buffer(checkpoint, seed):
+    """q / k / v (with biases) and a dense MLP's gate / up are row views of one buffer holding the checkpoint's
+    tensors; the Triton backend computes each group in one GEMM and matches the torch backend (which multiplies
+    each view alone); a member whose weight is replaced afterwards leaves the group and gets its own GEMM."""
+    folder = checkpoint("llama_attention_bias")
+    model = load_model(folder)
+    layer = model.model.layers[0]
+    attention = layer.self_attn
+    members = [attention.q_proj, attention.k_proj, attention.v_proj]
+    group = members[0].group
+    assert group is not None and all(m.group is group for m in members)
+    assert group.sites == tuple(m.site for m in members) and group.serves(members)
+    assert layer.mlp.gate_proj.group is layer.mlp.up_proj.group is not None
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        prefix = "model.layers.0.self_attn"
+        expected_w = torch.cat([f.get_tensor(f"{prefix}.{n}_proj.weight") for n in "qkv"]).float()
+        expected_b = torch.cat([f.get_tensor(f"{prefix}.{n}_proj.bias") for n in "qkv"]).float()
+    assert torch.equal(group.weight, expected_w) and torch.equal(group.bias, expected_b)
+    start = 0
+    for m in members:  # views of the buffer, not copies
+        assert m.weight.data_ptr() == group.weight[start].data_ptr()
+        assert m.bias.data_ptr() == group.bias[start:].data_ptr()
+        start += m.out_features
+
+    seqs = mixed_length_sequences(seed)
+    torch_out = engine_logprobs(Engine(model, [], backend="torch"), seqs)
+    triton_out = engine_logprobs(Engine(model, [], backend="triton"), seqs)
+    assert max_abs_diff(triton_out, torch_out) <= FP32_TOL
+    replaced = attention.k_proj.weight.detach().clone()
+    replaced[0] += 1.0  # a different k: the group must not keep multiplying the buffer's rows
+    attention.k_proj.weight = torch.nn.Parameter(replaced, requires_grad=False)
+    assert not group.serves(members)
+    torch_changed = engine_logprobs(Engine(model, [], backend="torch"), seqs)
+    assert max_abs_diff(torch_changed, torch_out) > 1e-3
+    assert max_abs_diff(engine_logprobs(Engine(model, [], backend="triton"), seqs), torch_changed) <= FP32_TOL
+
+
 # --- 4. meta device -----------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import torch
 from ..checkpoint import TensorDict, TensorFiles, read_json
 from ..errors import InputError, UnsupportedError
 from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3
+from .layers import Linear, group_projections
 
 # model_type in config.json -> the module holding that family's ModelArgs, CausalLM and load_weights
 FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, gpt_oss)
@@ -34,7 +35,8 @@ def load_model_from_tensors(config: dict, tensors: dict[str, torch.Tensor], dtyp
     """Our model for a config.json dict and in-memory weights keyed as in a checkpoint (a transformers model's
     `state_dict()`: fused experts under transformers 5's names, or per-expert on-disk names; load_weights reads
     both). A tensor already in `dtype` on `device` becomes our parameter as it is, sharing its storage (no copy);
-    others are copied. `where` names the source in error messages."""
+    others are copied, and so are projections of one input (models.layers.group_projections: q / k / v in one
+    buffer). `where` names the source in error messages."""
     family, args = family_and_args(config, where)
     return _build(family, args, TensorDict(tensors, where=f"{where} (in-memory tensors)"), dtype, device)
 
@@ -61,6 +63,11 @@ def _build(family, args, files, dtype: torch.dtype, device: str | torch.device):
                          f"describes it ({len(unused)} such keys); does config.json match the weights?",
                          key=unused[0])
     model.load_state_dict(weights, strict=True, assign=True)
+    for module in model.modules():  # projections of one input: one weight buffer, one GEMM on the Triton path
+        for names in getattr(module, "input_groups", ()):
+            members = [getattr(module, name, None) for name in names]
+            if all(isinstance(m, Linear) for m in members):
+                group_projections(members)
     # the rope buffer is not a checkpoint tensor: computed again on the device (a family may bring its own rope)
     model.inv_freq = model.rope_inv_freq(args.head_dim, args.rope, args.where).to(device)
     model.eval()
