@@ -157,7 +157,7 @@ def test_load_model_from_tensors_shares_storage_and_copies_on_cast(tiny_config, 
     assert params.keys() == tensors.keys()
     grouped = set()
     for name, param in params.items():
-        if ours.get_submodule(name.rsplit(".", 1)[0]).__dict__.get("group") is not None:
+        if getattr(ours.get_submodule(name.rsplit(".", 1)[0]), "group", None) is not None:
             grouped.add(name)  # projections of one input: copied into their group's buffer (layers.ProjectionGroup)
             assert torch.equal(param, tensors[name]) and param.data_ptr() != tensors[name].data_ptr(), name
         else:
