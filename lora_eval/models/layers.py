@@ -48,8 +48,13 @@ class ProjectionGroup:
         moved since)."""
         if tuple(m.site for m in modules) != self.sites:
             return False
-        starts = [sum(self.outs[:i]) for i in range(len(self.outs))]
-        return all(m.weight.data_ptr() == self.weight[start].data_ptr() for m, start in zip(modules, starts))
+        row_bytes = self.weight.stride(0) * self.weight.element_size()
+        start = self.weight.data_ptr()
+        for m, n in zip(modules, self.outs):
+            if m.weight.data_ptr() != start:
+                return False
+            start += n * row_bytes
+        return True
 
 
 def group_projections(modules: list[Linear]) -> None:
