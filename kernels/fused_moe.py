@@ -13,7 +13,7 @@ where an expert dim of 1 is shared by all experts (broadcast), scaling folded in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +108,8 @@ class MoeConfig:
     GEMMs add the LoRA delta into their accumulators before the main loop instead of after it. `half_tail`: a
     block with pairs in its first half only (an expert group's last block) computes half the rows. `pair_shrink`:
     with a down B shared by all experts, the down GEMM's N tile 0 computes the down LoRA shrink from the activation
-    tiles it loads anyway (else a separate shrink kernel reads the activation again)."""
+    tiles it loads anyway (else a separate shrink kernel reads the activation again). `shrink`: by GEMM ("gate_up",
+    "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried)."""
     block_m: int
     gate_up: dict
     down: dict
@@ -117,9 +118,13 @@ class MoeConfig:
     expand_first: bool = False
     half_tail: bool = False
     pair_shrink: bool = False
+    shrink: dict = field(default_factory=dict)
 
     def tiles(self, gemm: str) -> dict:
         return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
+
+    def shrink_tiles(self, gemm: str) -> dict:
+        return {**SHRINK_TILES, **self.shrink.get(gemm, {})}
 
 
 def _tiles(n, k, warps, stages, group_m=8):
@@ -135,13 +140,17 @@ def _tiles(n, k, warps, stages, group_m=8):
 # from 2048 tokens on), not at 64-row ones; the down shrink inside the down GEMM (pair_shrink, shared down B) paid
 # at 128-row blocks (1.083 against 1.110 at 4096 tokens, 4 adapters mixed), not at 16 / 64 (1.116 / 1.128 against
 # 1.101 / 1.094 at 256 / 1024).
+# The per-block shrinks at 128-row blocks, PEFT's per-expert factors, 4096 tokens (benchmarks/lora_shrinks.py):
+# gate_up (K 2048, R 32) 32.8 us at 4 stages against 34.4 at 3; down (K 768, R 16) 23.1 us with 64-wide K steps
+# against 26.2 with 128. At 16-row blocks (128 tokens) the defaults were the fastest.
+_SHRINK_128 = {"gate_up": dict(num_stages=4), "down": dict(BLOCK_K=64)}
 CONFIGS = {
     16: MoeConfig(16, gate_up=_tiles(128, 128, 8, 4), down=_tiles(128, 128, 8, 4)),
     64: MoeConfig(64, gate_up=_tiles(64, 64, 4, 3), down=_tiles(128, 64, 4, 4), w_tma=True, expand_first=True),
     256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, expand_first=True,
-                   half_tail=True, pair_shrink=True),
+                   half_tail=True, pair_shrink=True, shrink=_SHRINK_128),
     None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True,
-                    expand_first=True, half_tail=True, pair_shrink=True),
+                    expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128),
 }
 
 
@@ -167,7 +176,7 @@ def tma_ready(t: torch.Tensor) -> bool:
 
 
 SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
-SHRINK_WARPS, SHRINK_STAGES = 4, 3
+SHRINK_TILES = dict(BLOCK_K=256, num_warps=4, num_stages=3)  # the per-block shrink's defaults (MoeConfig.shrink)
 
 
 # The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
@@ -179,12 +188,12 @@ SHRINK_WARPS, SHRINK_STAGES = 4, 3
 ALL_SLOTS_MAX = 128
 
 
-def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype) -> int:
-    """The LoRA shrink kernel's step over the input features: as long as fits SHRINK_SMEM (at most 256), so
-    that the few latency-bound K iterations per slot stay few."""
+def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype, stages: int, longest: int) -> int:
+    """The LoRA shrink kernel's step over the input features: the longest up to `longest` whose `stages`
+    pipelined tiles fit SHRINK_SMEM."""
     size = 4 if dtype == torch.float32 else 2
-    return next((bk for bk in (256, 128, 64, 32) if SHRINK_STAGES * (block_m + block_r) * bk * size <= SHRINK_SMEM),
-                16)
+    return next((bk for bk in (256, 128, 64, 32) if bk <= longest and stages * (block_m + block_r) * bk * size
+                 <= SHRINK_SMEM), 16)
 
 
 @triton.jit
@@ -509,14 +518,15 @@ SUM_LORA_BLOCKS = dict(BLOCK_T=16, BLOCK_H=256, num_warps=4)  # tokens x columns
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, T, H, R, S,
+def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, res_ptr, T, H, R, S,
                    stride_yt, stride_yj, stride_ot, stride_st, stride_sj, stride_wt, stride_wj, stride_bs, stride_bh,
-                   stride_br,
-                   TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   stride_br, stride_rt,
+                   TOP_K: tl.constexpr, HAS_LORA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[t] = sum_j y[t, j] in fp32 (j in order), stored in out's dtype: one read of y, one write of out.
     HAS_LORA: plus (sum_j w[t, j] shrunk[t, j]) @ B[slot of t]^T, the down expand of a B shared by all experts
-    (rows of no adapter add exact zeros)."""
+    (rows of no adapter add exact zeros). HAS_RESIDUAL: that sum rounded to out's dtype, then added to res[t] in
+    fp32 and rounded again (torch's res + sum)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     row_mask = rows < T
@@ -545,29 +555,39 @@ def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, T, H, R, S
                 mine = tl.where((slot == s)[:, None], shrunk, 0.0)  # rows of other slots add exact zeros
                 delta = tl.dot(mine.to(b.dtype), b, delta, input_precision=DOT_PRECISION)
             acc += delta
-    tl.store(out_ptr + rows64 * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + rows64 * stride_rt + cols[None, :], mask=mask, other=0.0)
+        out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64 * stride_ot + cols[None, :], out, mask=mask)
 
 
-def moe_sum(y: torch.Tensor, lora=None) -> torch.Tensor:
+def moe_sum(y: torch.Tensor, lora=None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """[T, k, H] -> [T, H] in y's dtype, summed over k in fp32 (the j order fixed: deterministic). `lora`:
     (shrunk [T, k, R], topk_weights [T, k], token_slots [T], B [S, H, R]): adds each token's down expand of a B
-    shared by all experts, sum_j w_j shrunk[t, j] @ B[slot]^T (token slot -1: nothing)."""
+    shared by all experts, sum_j w_j shrunk[t, j] @ B[slot]^T (token slot -1: nothing). `residual` [T, H] (y's
+    dtype, last dim contiguous): returns residual + that sum, bit for bit torch's add of the two."""
     T, k, H = y.shape
+    if residual is not None and (residual.shape != (T, H) or residual.dtype != y.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"moe_sum: residual {tuple(residual.shape)} {residual.dtype} for a sum {(T, H)} {y.dtype}")
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    res = (residual, residual.stride(0)) if residual is not None else (y, 0)
     if lora is None:
         moe_sum_kernel[(T, triton.cdiv(H, SUM_BLOCK_H))](
-            y, out, y, y, y, y, T, H, 0, 0, y.stride(0), y.stride(1), out.stride(0), 0, 0, 0, 0, 0, 0, 0,
-            TOP_K=k, HAS_LORA=False, BLOCK_T=1, BLOCK_H=SUM_BLOCK_H, BLOCK_R=16, DOT_PRECISION="ieee", num_warps=4)
+            y, out, y, y, y, y, res[0], T, H, 0, 0, y.stride(0), y.stride(1), out.stride(0), 0, 0, 0, 0, 0, 0, 0,
+            res[1], TOP_K=k, HAS_LORA=False, HAS_RESIDUAL=residual is not None, BLOCK_T=1, BLOCK_H=SUM_BLOCK_H,
+            BLOCK_R=16, DOT_PRECISION="ieee", num_warps=4)
         return out
     shrunk, weights, slots, B = lora
     S, R = B.shape[0], B.shape[2]
     blocks = dict(SUM_LORA_BLOCKS)
     grid = (triton.cdiv(T, blocks["BLOCK_T"]), triton.cdiv(H, blocks["BLOCK_H"]))
     moe_sum_kernel[grid](
-        y, out, shrunk, weights, B, slots, T, H, R, S, y.stride(0), y.stride(1), out.stride(0), shrunk.stride(0),
-        shrunk.stride(1), weights.stride(0), weights.stride(1), B.stride(0), B.stride(1), B.stride(2), TOP_K=k,
-        HAS_LORA=True, BLOCK_R=max(16, triton.next_power_of_2(R)),
-        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32", **blocks)
+        y, out, shrunk, weights, B, slots, res[0], T, H, R, S, y.stride(0), y.stride(1), out.stride(0),
+        shrunk.stride(0), shrunk.stride(1), weights.stride(0), weights.stride(1), B.stride(0), B.stride(1),
+        B.stride(2), res[1], TOP_K=k, HAS_LORA=True, HAS_RESIDUAL=residual is not None,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        **blocks)
     return out
 
 
@@ -576,10 +596,13 @@ def _expert_stride(t: torch.Tensor) -> int:
     return t.stride(1) if t.shape[1] > 1 else 0
 
 
-def moe_lora_shrink(a, lora_A, align, *, rows_are_tokens, top_k, a_sorted=False, by_pair=False) -> torch.Tensor:
+def moe_lora_shrink(a, lora_A, align, *, rows_are_tokens, top_k, a_sorted=False, by_pair=False,
+                    tiles=None) -> torch.Tensor:
     """The per-block LoRA shrink a[rows] @ lora_A[slot, e]^T of every aligned block with adapter rows, in a's
     dtype (the expand rounds it to that anyway: same numbers, half the bytes): [blocks * BLOCK_M, R] by block
-    row, or with `by_pair` [P, R] by pair id. Rows of blocks without an adapter are left unwritten."""
+    row, or with `by_pair` [P, R] by pair id. Rows of blocks without an adapter are left unwritten. `tiles`:
+    launch settings over SHRINK_TILES (MoeConfig.shrink_tiles)."""
+    tiles = {**SHRINK_TILES, **(tiles or {})}
     R = lora_A.shape[2]
     BLOCK_R = max(16, triton.next_power_of_2(R))
     BM = align.block_m
@@ -592,10 +615,11 @@ def moe_lora_shrink(a, lora_A, align, *, rows_are_tokens, top_k, a_sorted=False,
         align.block_slot_lo, align.block_slot_hi, a.shape[1], align.num_pairs, R, top_k,
         a.stride(0), a.stride(1), lora_A.stride(0), _expert_stride(lora_A), lora_A.stride(2), lora_A.stride(3),
         shrunk.stride(0), ROWS_ARE_TOKENS=rows_are_tokens, A_SORTED=a_sorted, BY_PAIR=by_pair, BLOCK_R=BLOCK_R,
-        BLOCK_M=BM, BLOCK_K=shrink_block_k(BM, BLOCK_R, a.dtype),
-        BLOCK_K_WIDE=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype),
+        BLOCK_M=BM, BLOCK_K=shrink_block_k(BM, BLOCK_R, a.dtype, tiles["num_stages"], tiles["BLOCK_K"]),
+        BLOCK_K_WIDE=shrink_block_k(BM, BLOCK_S * BLOCK_R if all_slots else BLOCK_R, a.dtype, tiles["num_stages"],
+                                    tiles["BLOCK_K"]),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", ALL_SLOTS=all_slots, BLOCK_S=BLOCK_S,
-        num_warps=SHRINK_WARPS, num_stages=SHRINK_STAGES)
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
     return shrunk
 
 
@@ -658,10 +682,12 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
 
 
 def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, config=None,
-              lora_meta=None, *, gate_up_bias=None, down_bias=None, activation="silu", alpha=1.702, limit=7.0):
+              lora_meta=None, *, gate_up_bias=None, down_bias=None, activation="silu", alpha=1.702, limit=7.0,
+              residual=None):
     """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype. `config`: a
     MoeConfig (pick_config's by default). `lora_meta`: the batch's rows grouped by slot (dense_lora.lora_metadata
-    of token_slots), computed here when not given."""
+    of token_slots), computed here when not given. `residual` [T, H]: returns residual + the layer's output,
+    added inside the sum over k (moe_sum)."""
     T, k = topk_ids.shape
     E, H, I = w_down.shape
     config = config or pick_config(T, k, E, x.dtype)
@@ -674,9 +700,11 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     if lora is not None:
         if lora.gate_up_A.shape[1] == 1:  # gate_up A shared by all experts: shrink per token
             meta = lora_meta if lora_meta is not None else lora_metadata(token_slots, num_slots)
-            gate_up_lora = dict(shrunk=dense_lora_shrink(x, lora.gate_up_A[:, 0], meta), shrunk_by_token=True)
+            shrunk = dense_lora_shrink(x, lora.gate_up_A[:, 0], meta, splits=1)[0]  # [T, R]: the GEMMs take one
+            gate_up_lora = dict(shrunk=shrunk, shrunk_by_token=True)
         else:
-            gate_up_lora = dict(shrunk=moe_lora_shrink(x, lora.gate_up_A, align, rows_are_tokens=True, top_k=k))
+            gate_up_lora = dict(shrunk=moe_lora_shrink(x, lora.gate_up_A, align, rows_are_tokens=True, top_k=k,
+                                                       tiles=config.shrink_tiles("gate_up")))
         gate_up_lora["lora_B"] = lora.gate_up_B
     moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k, bias=gate_up_bias,
              activation=activation, alpha=alpha, limit=limit, config=config.tiles("gate_up"),
@@ -692,15 +720,16 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
                 down_lora = dict(pair_shrink=(lora.down_A, shrunk))
             else:
                 shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
-                                         a_sorted=config.sorted_act, by_pair=True)  # [P, R]
+                                         a_sorted=config.sorted_act, by_pair=True,
+                                         tiles=config.shrink_tiles("down"))  # [P, R]
             sum_lora = (shrunk.view(T, k, R_down), topk_weights, token_slots, lora.down_B[:, 0])
         else:
             shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
-                                     a_sorted=config.sorted_act)  # [blocks * BM, R]
+                                     a_sorted=config.sorted_act, tiles=config.shrink_tiles("down"))  # [blocks * BM, R]
             down_lora = dict(lora_B=lora.down_B, shrunk=shrunk)
     moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
              topk_weights=topk_weights.reshape(-1), bias=down_bias, config=config.tiles("down"),
              w_tma=config.w_tma and tma_ready(w_down), a_sorted=config.sorted_act,
              a_tma=config.sorted_act and config.w_tma and tma_ready(act), expand_first=config.expand_first,
              half_tail=config.half_tail, **down_lora)
-    return moe_sum(y.view(T, k, H), sum_lora)  # [T, H]
+    return moe_sum(y.view(T, k, H), sum_lora, residual)  # [T, H]

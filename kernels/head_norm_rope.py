@@ -3,8 +3,9 @@ the projection's LoRA expand folded in front when it has one.
 
 Shapes: y [T, heads * D] (the projection's output without its LoRA delta, last dim contiguous; T = B * L tokens
 in row-major [B, L] order), weight [D], cos / sin [B, L, D] (any strides, last dim contiguous);
-LoRA (optional): shrunk [T, R] (any strides), B [S, heads * D, R], row_slot [T] int32 (-1: none), slot_mask [S]
-(slots without weights at this site add nothing) -> out [B, heads, L, D] in rope.attention_layout:
+LoRA (optional): shrunk [T, R] or its partial sums [splits, T, R] (any strides), B [S, heads * D, R], row_slot [T]
+int32 (-1: none), slot_mask [S] (slots without weights at this site add nothing)
+-> out [B, heads, L, D] in rope.attention_layout:
   x   = (y + shrunk @ B[slot]^T).to(y.dtype)                        (LoRA rows; the others x = y)
   n   = (weight * (x / sqrt(mean(x^2) + eps)).to(y.dtype)).to(y.dtype)   (rms_norm's numbers, per head)
   out = n * cos + rotate_half(n) * sin, rotate_half(n) = [-n2, n1]  (rope's numbers: float32, one rounding)
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dense_lora import row_slots
+from .dense_lora import load_shrunk, partials, row_slots
 from .rms_norm import rms_norm_ref
 from .rope import attention_layout, rope_ref
 
@@ -45,8 +46,8 @@ def head_norm_rope_ref(y, weight, eps, cos, sin, lora=None) -> torch.Tensor:
 @triton.jit
 def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr, row_slot_ptr, slot_mask_ptr,
                           T, L, HEADS, R, S, eps, stride_ym, stride_cb, stride_cl, stride_sb, stride_sl,
-                          stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
-                          HALF: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SLOT_MASK: tl.constexpr,
+                          stride_sk, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
+                          HALF: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SLOT_MASK: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr):
     """BLOCK_T tokens of one head (program_id(1)); the two halves of a head's D columns held side by side."""
     head = tl.program_id(1)
@@ -65,9 +66,10 @@ def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr,
         slot, lo, hi = row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK)  # [BT], lo, hi
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
+        shrunk = load_shrunk(s_ptr, rows, offs_r, (slot >= 0)[:, None] & r_mask[None, :], stride_sk, stride_sm,
+                             stride_sr, SPLITS)  # [BT, BR]: each row's own slot's
         for s in range(lo, hi + 1):  # a block's rows nearly always share one slot
-            part = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr,
-                           mask=(slot == s)[:, None] & r_mask[None, :], other=0.0)  # [BT, BR]
+            part = tl.where((slot == s)[:, None], shrunk, 0.0)
             b_tile = b_ptr + s * stride_bs + col1[None, :] * stride_bn + offs_r[:, None] * stride_br  # [BR, BH]
             b_mask = r_mask[:, None] & d_mask[None, :]
             b1 = tl.load(b_tile, mask=b_mask, other=0.0)
@@ -98,8 +100,9 @@ def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr,
 
 def head_norm_rope(y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    lora=None) -> torch.Tensor:
-    """The Triton counterpart of head_norm_rope_ref: y [T, heads * D] -> [B, heads, L, D]. `lora` = (shrunk [T, R],
-    B [S, heads * D, R], row_slot [T] int32, slot_mask [S] or None) or None."""
+    """The Triton counterpart of head_norm_rope_ref: y [T, heads * D] -> [B, heads, L, D]. `lora` = (shrunk [T, R]
+    or its partial sums [splits, T, R] (dense_lora_shrink), B [S, heads * D, R], row_slot [T] int32, slot_mask [S]
+    or None) or None."""
     T, N = y.shape
     B_, L, D = cos.shape
     if (y.stride(-1) != 1 or N % D or D % 2 or weight.shape != (D,) or T != B_ * L or cos.stride(-1) != 1
@@ -112,17 +115,19 @@ def head_norm_rope(y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     if lora is not None:
         shrunk, B, row_slot, slot_mask = lora
         R = B.shape[2]
-        if B.shape[1] != N or shrunk.shape != (T, R):
-            raise ValueError(f"head_norm_rope: shrunk {tuple(shrunk.shape)}, B {tuple(B.shape)} for y {tuple(y.shape)}")
-        lora_args = (shrunk, B, row_slot, slot_mask if slot_mask is not None else row_slot, R, B.shape[0])
-        lora_strides = (shrunk.stride(0), shrunk.stride(1), B.stride(0), B.stride(1), B.stride(2))
+        if B.shape[1] != N:
+            raise ValueError(f"head_norm_rope: B {tuple(B.shape)} for y {tuple(y.shape)}")
+        parts = partials(shrunk, T, R, "head_norm_rope")
+        lora_args = (parts, B, row_slot, slot_mask if slot_mask is not None else row_slot, R, B.shape[0])
+        lora_strides = (*parts.stride(), B.stride(0), B.stride(1), B.stride(2))
+        splits = parts.shape[0]
     else:
-        lora_args, lora_strides, R = (y, y, y, y, 0, 0), (0,) * 5, 0
+        lora_args, lora_strides, R, splits = (y, y, y, y, 0, 0), (0,) * 6, 0, 1
     s_ptr, b_ptr, row_slot_ptr, mask_ptr, R, S = lora_args
     head_norm_rope_kernel[(triton.cdiv(T, TOKENS_PER_PROGRAM), heads)](
         y, weight, cos, sin, out, s_ptr, b_ptr, row_slot_ptr, mask_ptr, T, L, heads, R, S, eps, y.stride(0),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *lora_strides,
-        HALF=D // 2, HAS_LORA=lora is not None, HAS_SLOT_MASK=lora is not None and lora[3] is not None,
+        HALF=D // 2, HAS_LORA=lora is not None, HAS_SLOT_MASK=lora is not None and lora[3] is not None, SPLITS=splits,
         BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(D // 2),
         BLOCK_R=max(16, triton.next_power_of_2(R)), num_warps=4)
     return out

@@ -4,9 +4,9 @@ renormalised to sum 1 when asked (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE routing).
 Shapes: logits [T, E] (any float dtype, last dim contiguous) -> weights [T, k] float32, ids [T, k] int64, by
 descending weight; among equal probabilities the lower expert comes first. One launch does what torch does in
 three to five (softmax, topk, sum, divide); torch's topk alone costs ~30 us at T = 4096, E = 128 on an H100.
-With the router's LoRA (`lora` = (shrunk [T, R], B [S, E, R], row_slot [T] int32, slot_mask [S] or None), as in
-dense_lora.py) the logits first get their rows' delta, rounded into the logits' dtype as an in-place expand would
-leave them: the expand costs no pass of its own.
+With the router's LoRA (`lora` = (shrunk [T, R] or [splits, T, R], B [S, E, R], row_slot [T] int32, slot_mask [S]
+or None), as in dense_lora.py) the logits first get their rows' delta, rounded into the logits' dtype as an
+in-place expand would leave them: the expand costs no pass of its own.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dense_lora import row_slots
+from .dense_lora import load_shrunk, partials, row_slots
 
 ROWS_PER_PROGRAM = 16
 
@@ -30,10 +30,10 @@ def router_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[to
 
 @triton.jit
 def router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, s_ptr, b_ptr, row_slot_ptr, slot_mask_ptr, T, E, R, S,
-                       stride_l, stride_w, stride_i, stride_sm, stride_sr, stride_bs, stride_be, stride_br,
-                       K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SLOT_MASK: tl.constexpr,
-                       BLOCK_R: tl.constexpr):
+                       stride_l, stride_w, stride_i, stride_sk, stride_sm, stride_sr, stride_bs, stride_be,
+                       stride_br, K: tl.constexpr, RENORMALIZE: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr,
+                       HAS_SLOT_MASK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_E)  # [BE]
     row_mask = rows < T
@@ -43,9 +43,10 @@ def router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, s_ptr, b_ptr, row_slot_
     if HAS_LORA:
         slot, lo, hi = row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK)  # [ROWS], lo, hi
         offs_r = tl.arange(0, BLOCK_R)
+        shrunk = load_shrunk(s_ptr, rows, offs_r, (slot >= 0)[:, None] & (offs_r < R)[None, :], stride_sk,
+                             stride_sm, stride_sr, SPLITS)  # [ROWS, BR]: each row's own slot's
         for s in range(lo, hi + 1):
-            part = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr,
-                           mask=(slot == s)[:, None] & (offs_r < R)[None, :], other=0.0)  # [ROWS, BR]
+            part = tl.where((slot == s)[:, None], shrunk, 0.0)
             b = tl.load(b_ptr + s * stride_bs + cols[None, :] * stride_be + offs_r[:, None] * stride_br,
                         mask=(offs_r < R)[:, None] & (cols < E)[None, :], other=0.0)  # [BR, BE]
             logits = tl.dot(part.to(b.dtype), b, logits, input_precision="ieee")  # other slots' rows add zeros
@@ -85,19 +86,22 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool, lora=None) -> t
     if lora is not None:
         shrunk, B, row_slot, slot_mask = lora
         R = B.shape[2]
-        if B.shape[1] != E or shrunk.shape != (T, R):
-            raise ValueError(f"router_topk: shrunk {tuple(shrunk.shape)}, B {tuple(B.shape)} for logits {(T, E)}")
-        lora_args = (shrunk, B, row_slot, slot_mask if slot_mask is not None else row_slot, R, B.shape[0],
-                     logits.stride(0), weights.stride(0), ids.stride(0), shrunk.stride(0), shrunk.stride(1),
-                     B.stride(0), B.stride(1), B.stride(2))
+        if B.shape[1] != E:
+            raise ValueError(f"router_topk: B {tuple(B.shape)} for logits {(T, E)}")
+        parts = partials(shrunk, T, R, "router_topk")
+        lora_args = (parts, B, row_slot, slot_mask if slot_mask is not None else row_slot, R, B.shape[0],
+                     logits.stride(0), weights.stride(0), ids.stride(0), *parts.stride(), B.stride(0), B.stride(1),
+                     B.stride(2))
+        splits = parts.shape[0]
     else:
-        R = 0
+        R, splits = 0, 1
         lora_args = (logits, logits, logits, logits, 0, 0, logits.stride(0), weights.stride(0), ids.stride(0),
-                     0, 0, 0, 0, 0)
+                     0, 0, 0, 0, 0, 0)
     router_topk_kernel[(triton.cdiv(T, ROWS_PER_PROGRAM),)](
         logits, weights, ids, *lora_args[:4], T, E, *lora_args[4:],
         K=k, RENORMALIZE=renormalize, ROWS=ROWS_PER_PROGRAM, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(k), HAS_LORA=lora is not None,
-        HAS_SLOT_MASK=lora is not None and lora[3] is not None, BLOCK_R=max(16, triton.next_power_of_2(R)),
+        HAS_SLOT_MASK=lora is not None and lora[3] is not None, SPLITS=splits,
+        BLOCK_R=max(16, triton.next_power_of_2(R)),
         num_warps=4)
     return weights, ids

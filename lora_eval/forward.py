@@ -82,7 +82,7 @@ class Forward:
                 from .kernels.dense_lora import dense_lora, dense_lora_shrink, lora_residual_add
 
                 if residual is not None:
-                    shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [T, R]
+                    shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [splits, T, R]
                     return lora_residual_add(residual, y, shrunk, lora.B, self.meta, slot_mask=lora.slot_mask)
                 dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)
             else:
@@ -107,14 +107,14 @@ class Forward:
         from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
         from .kernels.head_norm_rope import head_norm_rope
 
-        shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [T, sum R]
+        shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [splits, T, sum R]
         outs = []
         for module, norm, base in zip(modules, head_norms, bases):
             y = self.linear(module, x, with_lora=False, y=base)  # [T, out]
             if module.site in group.columns:
                 first, rank = group.columns[module.site]
                 lora = self.stack.dense[module.site]
-                columns = shrunk[:, first:first + rank]  # [T, R]
+                columns = shrunk[..., first:first + rank]  # [splits, T, R]
                 if norm is not None and self._fused_head_norm(norm, rope) and norm.site not in self.stack.overrides:
                     outs.append(head_norm_rope(y, norm.weight, norm.eps, *rope,
                                                lora=(columns, lora.B, self.meta.row_slot, lora.slot_mask)))
@@ -194,8 +194,10 @@ class Forward:
                 embedding_lora_ref(h, ids, lora.A, lora.B, self._groups(lora.slots))
         return h
 
-    def moe(self, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Routed experts of one layer: x [T, H], topk [T, k] -> [T, H]."""
+    def moe(self, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts of one layer: x [T, H], topk [T, k] -> [T, H]; `residual` [T, H]: residual + that (on the
+        Triton path added inside the sum over k)."""
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
         variant = dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
                        activation=experts.activation, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)
@@ -203,11 +205,13 @@ class Forward:
             from .kernels.fused_moe import fused_moe
 
             return fused_moe(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
-                             self.token_slots, lora_meta=self.meta if lora is not None else None, **variant)
+                             self.token_slots, lora_meta=self.meta if lora is not None else None, residual=residual,
+                             **variant)
         if lora is not None and not any(s in lora.slots for s in self.groups):
             lora = None
-        return fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
-                             self.token_slots, **variant)
+        out = fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
+                            self.token_slots, **variant)  # [T, H]
+        return out if residual is None else residual + out
 
     def route(self, router, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Router: logits = router(x) -> softmax over the experts (float32) -> top-k -> renormalise if asked:
@@ -223,7 +227,7 @@ class Forward:
         from .kernels.dense_lora import dense_lora_shrink
 
         logits = self.linear(router, x, with_lora=False)  # [T, E]
-        shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [T, R]
+        shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [splits, T, R]
         return router_topk(logits, top_k, renormalize, lora=(shrunk, lora.B, self.meta.row_slot, lora.slot_mask))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -170,7 +170,8 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(args.num_heads), requires_grad=False)  # [nh] logit per head
         self.window = args.sliding_window if args.layer_types[index] == "sliding_attention" else None
 
-    def forward(self, x, cos, sin, fwd):
+    def forward(self, x, cos, sin, fwd, residual=None):
+        """Attention's output projection, added to `residual` [T, H] when given (the layer's residual stream)."""
         B, L, _ = cos.shape
         T = x.shape[0]
         q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
@@ -180,7 +181,7 @@ class Attention(nn.Module):
         q, k = fwd.rope(q, cos, sin), fwd.rope(k, cos, sin)  # [B, nh, L, D], [B, nkv, L, D]
         out = fwd.attention(q, k, v, self.head_dim**-0.5, sinks=self.sinks, window=self.window)  # [B, nh, L, D]
         out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D], a view (attention_layout)
-        return self.o_proj(out, fwd)  # [T, H]
+        return self.o_proj(out, fwd, residual=residual)  # [T, H]
 
 
 class MoE(nn.Module):
@@ -192,11 +193,12 @@ class MoE(nn.Module):
                                     bias=True, activation="clamped_swiglu", swiglu_alpha=args.swiglu_alpha,
                                     swiglu_limit=args.swiglu_limit, interleaved_gate_up=True)
 
-    def forward(self, x, fwd):
+    def forward(self, x, fwd, residual=None):
+        """The experts' output, added to `residual` [T, H] when given (the layer's residual stream)."""
         logits = self.router(x, fwd)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k], [T, k]
         weights = torch.softmax(top, dim=-1, dtype=torch.float32)  # [T, k] over the chosen k only
-        return fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
+        return fwd.moe(self.experts, x, ids, weights.to(x.dtype), residual=residual)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -210,8 +212,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(args, f"{prefix}.mlp")
 
     def forward(self, h, cos, sin, fwd):
-        h = h + self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd)  # [T, H]
-        return h + self.mlp(self.post_attention_layernorm(h, fwd), fwd)  # [T, H]
+        h = self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd, residual=h)  # [T, H]: h + attention
+        return self.mlp(self.post_attention_layernorm(h, fwd), fwd, residual=h)  # [T, H]: h + MoE
 
 
 class CausalLM(qwen3.CausalLM):

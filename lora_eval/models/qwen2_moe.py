@@ -59,10 +59,11 @@ class SharedExpertMoe(qwen3.SparseMoe):
         self.shared_expert = qwen3.MLP(shared, f"{prefix}.shared_expert")
         self.shared_expert_gate = Linear(f"{prefix}.shared_expert_gate", args.hidden_size, 1)  # [1, H]
 
-    def forward(self, x, fwd):
+    def forward(self, x, fwd, residual=None):
         routed = super().forward(x, fwd)  # [T, H]
         shared = torch.sigmoid(self.shared_expert_gate(x, fwd)) * self.shared_expert(x, fwd)  # [T, 1] * [T, H]
-        return routed + shared  # [T, H]
+        out = routed + shared  # [T, H]: transformers adds the shared expert first, then the residual
+        return out if residual is None else residual + out
 
 
 class CausalLM(qwen3.CausalLM):

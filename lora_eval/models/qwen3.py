@@ -173,9 +173,10 @@ class MLP(nn.Module):
         self.up_proj = Linear(f"{prefix}.up_proj", H, I, bias)
         self.down_proj = Linear(f"{prefix}.down_proj", I, H, bias)
 
-    def forward(self, x, fwd):
+    def forward(self, x, fwd, residual=None):
+        """The MLP's output, added to `residual` [T, H] when given (the layer's residual stream)."""
         gate, up = fwd.linears((self.gate_proj, self.up_proj), x)  # [T, I], [T, I]
-        return self.down_proj(F.silu(gate) * up, fwd)  # [T, H]
+        return self.down_proj(F.silu(gate) * up, fwd, residual=residual)  # [T, H]
 
 
 class SparseMoe(nn.Module):
@@ -185,9 +186,10 @@ class SparseMoe(nn.Module):
         self.gate = Linear(f"{prefix}.gate", args.hidden_size, args.num_experts)  # the router
         self.experts = FusedExperts(f"{prefix}.experts", args.num_experts, args.hidden_size, args.moe_intermediate_size)
 
-    def forward(self, x, fwd):
+    def forward(self, x, fwd, residual=None):
+        """The routed experts' output, added to `residual` [T, H] when given (the layer's residual stream)."""
         weights, ids = fwd.route(self.gate, x, self.top_k, self.norm_topk_prob)  # [T, k] float32, [T, k]
-        return fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
+        return fwd.moe(self.experts, x, ids, weights.to(x.dtype), residual=residual)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -202,7 +204,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, fwd):
         h = self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd, residual=h)  # [T, H]: h + attention
-        return h + self.mlp(self.post_attention_layernorm(h, fwd), fwd)  # [T, H]
+        return self.mlp(self.post_attention_layernorm(h, fwd), fwd, residual=h)  # [T, H]: h + MoE / MLP
 
 
 class Backbone(nn.Module):

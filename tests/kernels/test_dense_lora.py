@@ -22,8 +22,11 @@ from lora_eval.kernels.dense_lora import (
     lora_metadata,
     lora_residual_add,
     lora_residual_add_ref,
+    shrink_splits,
 )
+from lora_eval.kernels import dense_lora as dense_lora_module
 from lora_eval.kernels.linear import linear_ref
+from tests.kernels.partials import shrink_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -74,7 +77,7 @@ def check_update(name, y0, out, ref64, ref, slots, tol, skip=()):
     assert delta < tol and full < tol
 
 
-def run_dense(dtype, tol, ranks, seed, counts=COUNTS, total=T, blocks=None, slot_mask_off=()):
+def run_dense(dtype, tol, ranks, seed, counts=COUNTS, total=T, blocks=None, slot_mask_off=(), splits=1):
     g = torch.Generator().manual_seed(seed)
     slots = make_slots(counts, total, g)
     A, B = make_lora(ranks, K, N, g)
@@ -85,7 +88,7 @@ def run_dense(dtype, tol, ranks, seed, counts=COUNTS, total=T, blocks=None, slot
     slot_mask = None
     if slot_mask_off:
         slot_mask = on(torch.tensor([s not in slot_mask_off for s in range(len(ranks))]))
-    shrunk = on(torch.full((total, A.shape[1]), float("nan")))  # poison: every row of a slot must be written
+    shrunk = on(torch.full((splits, total, A.shape[1]), float("nan")))  # poison: a slot's rows must be written
     dense_lora_shrink(on(x), on(A), meta, shrunk, slot_mask=slot_mask, blocks=(blocks or {}).get("shrink"))
     y = on(y0.clone())
     dense_lora_expand(y, shrunk, on(B), meta, slot_mask=slot_mask, blocks=(blocks or {}).get("expand"))
@@ -94,9 +97,11 @@ def run_dense(dtype, tol, ranks, seed, counts=COUNTS, total=T, blocks=None, slot
     shrunk = shrunk.cpu()
     for s, rows in groups:
         exact = linear_ref(x[rows].double(), A[s].double())
-        assert rel_err(shrunk[rows], exact) < tol, f"shrink of slot {s}"
+        assert rel_err(shrunk[:, rows].sum(0), exact) < tol, f"shrink of slot {s}"
+        if splits > 1:  # each split holds its own range of the input features
+            assert rel_err(shrunk[0, rows], exact) > 0.05
     idle = torch.tensor([s < 0 or s in slot_mask_off for s in slots.tolist()])
-    assert shrunk[idle].isnan().all(), "the shrink wrote rows outside the slots' segments"
+    assert shrunk[:, idle].isnan().all(), "the shrink wrote rows outside the slots' segments"
     ref64 = dense_lora_ref(y0.double(), x.double(), A.double(), B.double(), groups)
     ref = dense_lora_ref(y0.clone(), x, A, B, groups)
     check_update(f"{dtype} ranks {ranks}", y0, y, ref64, ref, slots, tol, skip=slot_mask_off)
@@ -127,9 +132,22 @@ def test_dense_lora(dtype, tol, ranks, seed):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_dense_lora_small_blocks(dtype, tol, seed):
-    """Blocks much smaller than the shapes: several M tiles per slot, N tiles and K steps, all ragged."""
-    run_dense(dtype, tol, (2, 5, 16, 16), seed, blocks=SMALL)
+@pytest.mark.parametrize("splits", [1, 3, 8], ids=["unsplit", "3-splits", "8-splits"])
+def test_dense_lora_small_blocks(dtype, tol, seed, splits):
+    """Blocks much smaller than the shapes: several M tiles per slot, N tiles and K steps, all ragged; the shrink
+    split over the input features (3: ragged ranges of three K steps; 8: the last split starts past the end and
+    holds zeros), the expand adding the partials."""
+    run_dense(dtype, tol, (2, 5, 16, 16), seed, blocks=SMALL, splits=splits)
+
+
+def test_shrink_splits(monkeypatch):
+    """The split count doubles up to MAX_SPLITS while one slot's row programs times the splits fit the SMs once
+    and each split keeps SPLIT_MIN_K features; 1 off CUDA."""
+    assert shrink_splits(128, 2048, 64, torch.device("cpu")) == 1
+    monkeypatch.setattr(dense_lora_module, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert [shrink_splits(T, 2048, 64, cuda) for T in (1, 128, 4096, 8192)] == [16, 16, 2, 1]
+    assert shrink_splits(128, 4096, 64, cuda) == 16 and shrink_splits(128, 200, 64, cuda) == 1
 
 
 @pytest.mark.parametrize("counts,total", [((T, 0, 0, 0), T), ((0, 0, 0, 0), T), ((0, 0, 0, 3), 3)],
@@ -139,19 +157,21 @@ def test_dense_lora_extremes(counts, total, seed):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_lora_residual_add(dtype, tol, seed):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_lora_residual_add(dtype, tol, seed, splits):
     """h + (y + shrunk @ B[slot]^T) in one pass against the reference and against the expand then torch's add:
-    rows of no slot and of a masked slot are torch's h + y bit for bit; tiles hold several slots."""
+    rows of no slot and of a masked slot are torch's h + y bit for bit; tiles hold several slots; the shrink as
+    one [T, R] or as partial sums."""
     g = torch.Generator().manual_seed(seed)
     slots = make_slots(COUNTS, T, g)
     _, B = make_lora((2, 5, 16, 16), K, N, g)
     h, y0 = torch.randn(T, N, generator=g).to(dtype), torch.randn(T, N, generator=g).to(dtype)
-    shrunk = torch.randn(T, 16, generator=g)
+    given, shrunk = shrink_partials(splits, T, 16, g)
     B = B.to(dtype)
     on = lambda t: t.to(DEVICE)  # noqa: E731
     meta = lora_metadata(on(slots), S)
     slot_mask = on(torch.tensor([True, True, True, False]))  # slot 3: no weights at this site
-    out = lora_residual_add(on(h), on(y0), on(shrunk), on(B), meta, slot_mask=slot_mask).cpu()
+    out = lora_residual_add(on(h), on(y0), on(given), on(B), meta, slot_mask=slot_mask).cpu()
     groups = groups_of(slots, skip=(3,))
     ref64 = lora_residual_add_ref(h.double(), y0.double(), shrunk.double(), B.double(), groups)
     untouched = (slots < 0) | (slots == 3)
@@ -159,7 +179,7 @@ def test_lora_residual_add(dtype, tol, seed):
     assert rel_err(out[~untouched], ref64[~untouched]) < tol
     assert rel_err((h + y0)[~untouched], ref64[~untouched]) > 0.05  # the deltas matter
     y = on(y0.clone())
-    dense_lora_expand(y, on(shrunk), on(B), meta, slot_mask=slot_mask)
+    dense_lora_expand(y, on(given), on(B), meta, slot_mask=slot_mask)
     torch.testing.assert_close(out, (on(h) + y).cpu(), rtol=tol, atol=tol)  # the unfused pair
 
 
@@ -180,10 +200,10 @@ def test_dense_lora_shared_x_slices(dtype, tol, seed):
     x, y0 = torch.randn(T, K, generator=g).to(dtype), torch.randn(T, Nq + Nk, generator=g).to(dtype)
     Aq, Bq, Ak, Bk = (t.to(dtype) for t in (Aq, Bq, Ak, Bk))
     meta = lora_metadata(slots.to(DEVICE), S)
-    shrunk = dense_lora_shrink(x.to(DEVICE), torch.cat([Aq, Ak], 1).to(DEVICE), meta)  # [T, 16 + 8]
+    shrunk = dense_lora_shrink(x.to(DEVICE), torch.cat([Aq, Ak], 1).to(DEVICE), meta, splits=2)  # [2, T, 16 + 8]
     y = y0.clone().to(DEVICE)
-    dense_lora_expand(y[:, :Nq], shrunk[:, :16], Bq.to(DEVICE), meta)
-    dense_lora_expand(y[:, Nq:], shrunk[:, 16:], Bk.to(DEVICE), meta)
+    dense_lora_expand(y[:, :Nq], shrunk[..., :16], Bq.to(DEVICE), meta)
+    dense_lora_expand(y[:, Nq:], shrunk[..., 16:], Bk.to(DEVICE), meta)
     groups = groups_of(slots)
     for name, cols, A, B in (("q", slice(0, Nq), Aq, Bq), ("k", slice(Nq, None), Ak, Bk)):
         ref64 = dense_lora_ref(y0[:, cols].double(), x.double(), A.double(), B.double(), groups)
@@ -210,11 +230,12 @@ def test_embedding_lora(dtype, tol, seed):
 
 # --- GPU only ---------------------------------------------------------------------------------------------
 
-def layer_case(seed, dtype=torch.bfloat16):
-    """Layer shapes: T=4096, in=2048, out=4096, S=4, R=16 (ranks 16, 8, 16, 4), 296 rows with slot -1."""
+def layer_case(seed, dtype=torch.bfloat16, total=4096):
+    """Layer shapes: T=4096 (or 128), in=2048, out=4096, S=4, R=16 (ranks 16, 8, 16, 4), 7% of the rows with slot
+    -1. On an H100 the shrink splits the input features in 2 at 4096 rows, in 16 at 128 (shrink_splits)."""
     g = torch.Generator().manual_seed(seed)
-    total, fan_in, fan_out = 4096, 2048, 4096
-    slots = make_slots((1500, 1000, 700, 600), total, g)
+    fan_in, fan_out = 2048, 4096
+    slots = make_slots([total * n // 4096 for n in (1500, 1000, 700, 600)], total, g)
     A, B = make_lora((16, 8, 16, 4), fan_in, fan_out, g)
     x, y0 = torch.randn(total, fan_in, generator=g), torch.randn(total, fan_out, generator=g)
     return [t.to(DEVICE, dtype) for t in (x, y0, A, B)] + [slots.to(DEVICE)]
@@ -222,8 +243,9 @@ def layer_case(seed, dtype=torch.bfloat16):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_dense_lora_bf16_layer_shapes(seed):
-    x, y0, A, B, slots = layer_case(seed)
+@pytest.mark.parametrize("total", [4096, 128])
+def test_dense_lora_bf16_layer_shapes(seed, total):
+    x, y0, A, B, slots = layer_case(seed, total=total)
     y = y0.clone()
     dense_lora(y, x, A, B, lora_metadata(slots, 4))
     groups = groups_of(slots.cpu())
@@ -269,3 +291,41 @@ def test_cuda_graph_replay(seed):
     graph.replay()
     eager = dense_lora(y0.clone(), x, A, B, lora_metadata(static_slots, 4))
     assert torch.equal(y, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_consumers_compile_with_the_most_partials(seed):
+    """At MAX_SPLITS partial sums (a 128-token batch) every consumer of a shrink compiles at Qwen3-30B-A3B shapes
+    (bf16) and gives what the summed [T, R] shrink gives, bit for bit (the same additions in the same order):
+    the expand, o_proj's residual add, q's norm + RoPE, the router's top-k."""
+    from lora_eval.kernels.dense_lora import MAX_SPLITS
+    from lora_eval.kernels.head_norm_rope import head_norm_rope
+    from lora_eval.kernels.router import router_topk
+    from lora_eval.models.layers import rope_cos_sin
+
+    g = torch.Generator().manual_seed(seed)
+    T, R, S = 128, 16, 4
+    parts, total = (t.to(DEVICE) for t in shrink_partials(MAX_SPLITS, T, R, g))
+    slots = make_slots((60, 30, 0, 20), T, g).to(DEVICE)
+    meta = lora_metadata(slots, S)
+    bf = torch.bfloat16
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(DEVICE, bf)
+
+    y, B = rand(T, 4096), rand(S, 4096, R, scale=0.1)
+    assert torch.equal(dense_lora_expand(y.clone(), parts, B, meta), dense_lora_expand(y.clone(), total, B, meta))
+    h, y, B = rand(T, 2048), rand(T, 2048), rand(S, 2048, R, scale=0.1)
+    assert torch.equal(lora_residual_add(h, y, parts, B, meta), lora_residual_add(h, y, total, B, meta))
+    D = 128
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEVICE) / D))
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(T, device=DEVICE).expand(1, T), bf)
+    y, w, B = rand(T, 32 * D), rand(D), rand(S, 32 * D, R, scale=0.1)
+    lora = (meta.row_slot, None)
+    assert torch.equal(head_norm_rope(y, w, 1e-6, cos, sin, lora=(parts, B, *lora)),
+                       head_norm_rope(y, w, 1e-6, cos, sin, lora=(total, B, *lora)))
+    logits, B = rand(T, 128), rand(S, 128, R, scale=0.1)
+    for got, want in zip(router_topk(logits, 8, True, lora=(parts, B, *lora)),
+                         router_topk(logits, 8, True, lora=(total, B, *lora))):
+        assert torch.equal(got, want)

@@ -129,6 +129,25 @@ def test_moe_sum_over_k(seed, dtype):
     assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_sum_adds_the_residual(seed, dtype):
+    """With `residual`, the sum over k (and a shared down B's expand) rounded to the dtype and then added to the
+    residual: bit for bit torch's residual + the sum without it, lanes past one block and a ragged tail too."""
+    g = torch.Generator().manual_seed(seed)
+    T, k, H, R, S = 37, 3, fused_moe_module.SUM_LORA_BLOCKS["BLOCK_H"] + 24, 8, 3
+    y = torch.randn(T, k, H, generator=g).to(DEVICE, dtype)
+    residual = (4 * torch.randn(T, H, generator=g)).to(DEVICE, dtype)
+    shrunk, weights = torch.randn(T, k, R, generator=g), torch.rand(T, k, generator=g) + 0.5
+    B, slots = 0.5 * torch.randn(S, H, R, generator=g), torch.randint(-1, S, (T,), generator=g)
+    lora = (shrunk.to(DEVICE, dtype), weights.to(DEVICE, dtype), slots.to(DEVICE), B.to(DEVICE, dtype))
+    for with_lora in (None, lora):
+        out = moe_sum(y, with_lora, residual)
+        assert torch.equal(out, residual + moe_sum(y, with_lora))
+        assert not torch.equal(out, moe_sum(y, with_lora))
+    with pytest.raises(ValueError, match="residual"):
+        moe_sum(y, None, residual[:, :-1])
+
+
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
 def test_moe_sum_with_shared_down_expand(seed, dtype, tol):
     """The sum over k plus the expand of a down B shared by all experts: out[t] = sum_j y[t, j] +

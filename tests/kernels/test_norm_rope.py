@@ -11,6 +11,7 @@ from lora_eval.kernels.head_norm_rope import TOKENS_PER_PROGRAM, head_norm_rope,
 from lora_eval.kernels.rms_norm import ROWS_PER_PROGRAM, rms_norm, rms_norm_ref
 from lora_eval.kernels.rope import POSITIONS_PER_PROGRAM, rope, rope_ref
 from lora_eval.models.layers import rope_cos_sin
+from tests.kernels.partials import shrink_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [(torch.float32, 1e-6), (torch.float16, 2e-3)]
@@ -31,12 +32,13 @@ def test_rms_norm_matches_reference(seed, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("with_lora", [False, True], ids=["plain", "lora"])
-def test_head_norm_rope_matches_norm_then_rope(seed, dtype, tol, with_lora):
+@pytest.mark.parametrize("with_lora,splits", [(False, 1), (True, 1), (True, 3)], ids=["plain", "lora", "lora-split"])
+def test_head_norm_rope_matches_norm_then_rope(seed, dtype, tol, with_lora, splits):
     """Per-head RMSNorm + RoPE in one pass (with the LoRA expand in front) against the expand, rms_norm_ref and
     rope_ref: 2 rows of a length that is not a multiple of the tokens per program, heads not a power of two, a
     half head dim that is not one either; LoRA rows of 3 slots (one masked off) and of none, a program holding two
-    slots; rows without a delta equal the plain fused kernel bit for bit."""
+    slots, the shrink a column view of one [T, R] or of partial sums; rows without a delta equal the plain fused
+    kernel bit for bit."""
     g = torch.Generator().manual_seed(seed)
     Bn, L, heads, D, S, R = 2, TOKENS_PER_PROGRAM + 7, 3, 24, 3, 5
     T = Bn * L
@@ -51,12 +53,13 @@ def test_head_norm_rope_matches_norm_then_rope(seed, dtype, tol, with_lora):
         ref = head_norm_rope_ref(y, w, 1e-6, cos, sin)
         assert torch.allclose(plain.float(), ref.float(), rtol=tol, atol=tol)
         return
-    shrunk = torch.randn(T, R + 2, generator=g).to(DEVICE, dtype)[:, 1:R + 1]  # a column view, as the q/k/v split
+    given, shrunk = shrink_partials(splits, T, R + 2, g)
+    given, shrunk = given.to(DEVICE)[..., 1:R + 1], shrunk.to(DEVICE)[:, 1:R + 1]  # column views, as q/k/v's
     B = (0.5 * torch.randn(S, heads * D, R, generator=g)).to(DEVICE, dtype)
     slots = torch.randint(-1, S, (T,), generator=g)
     slots[TOKENS_PER_PROGRAM - 3:TOKENS_PER_PROGRAM + 3] = torch.tensor([0, 0, 0, 1, 1, 1])  # across a program edge
     slot_mask = torch.tensor([True, False, True], device=DEVICE)  # slot 1 has no weights here
-    out = head_norm_rope(y, w, 1e-6, cos, sin, lora=(shrunk, B, slots.to(DEVICE, torch.int32), slot_mask))
+    out = head_norm_rope(y, w, 1e-6, cos, sin, lora=(given, B, slots.to(DEVICE, torch.int32), slot_mask))
     groups = [(s, (slots == s).nonzero().squeeze(1).to(DEVICE)) for s in (0, 2)]
     ref = head_norm_rope_ref(y, w, 1e-6, cos, sin, lora=(shrunk, B, groups))
     assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol)
