@@ -97,6 +97,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from .dense_lora import dense_lora_shrink, lora_metadata, row_slots  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
+from .tma import tma_ready  # noqa: E402
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -163,16 +164,6 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtyp
                 for gemm in ("gate_up", "down")}
         config = replace(config, **fp32)
     return config
-
-
-def tma_ready(t: torch.Tensor) -> bool:
-    """Whether a TMA descriptor can describe `t`: Hopper or later (or the interpreter), unit last stride,
-    16-byte aligned base and strides."""
-    if t.is_cuda and torch.cuda.get_device_capability(t.device)[0] < 9:
-        return False
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
 
 
 SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
