@@ -54,13 +54,12 @@ def embedding_lora_ref(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: t
 # cdiv(out, BLOCK_N) times (32x at out = 4096); one that loops over all of `out` in each program has only
 # cdiv(T, BLOCK_M) programs working, too few to fill the GPU at moderate T. Split apart, the shrink reads x
 # once, the [T, R] intermediate is small (256 KiB at T = 4096, R = 16) and stays in L2, and the expand is a
-# streaming read-add-write of y. Neither kernel splits a reduction across programs (no atomics), so a row's
-# result does not depend on the run. Few rows (small batches) leave most SMs idle while a few programs stream
-# x and A over `in` alone, so the shrink then splits `in` across programs (shrink_splits) and stores one partial
-# sum per split; every consumer adds the partials in order (load_shrunk), so nothing depends on timing, though
-# a row's rounding depends on the batch's row count through the split count. The shrink output also serves several
-# output slices sharing x (q/k/v): shrink once with the A's stacked along R, then expand each slice from a
-# column view of `shrunk` into a column view of y (both kernels take arbitrary strides).
+# streaming read-add-write of y. Few rows (small batches) would leave most SMs idle while a few programs stream
+# x and A over `in`, so the shrink then splits `in` across programs (shrink_splits) and stores one partial sum
+# per split, which every consumer adds in order (load_shrunk). No kernel uses atomics: a row's result does not
+# depend on the run (its rounding does depend on the batch's row count, through the split count). The shrink
+# output also serves several output slices sharing x (q/k/v): shrink once with the A's stacked along R, then
+# expand each slice from a column view of `shrunk` into a column view of y (both kernels take any strides).
 #
 # Grids come from host-known shapes only, sized for the worst case (every row in one slot): a program whose
 # tile lies beyond its slot's segment returns at once, and rows with slot -1 belong to no segment. Nothing
