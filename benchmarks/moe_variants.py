@@ -3,13 +3,18 @@ interleaved so that drift hits every variant alike), base and with LoRA (4 rank-
 shared-outer layout; 1 adapter with per-expert factors, PEFT's layout). A variant is a dict of settings: a
 lower-case key is a field of the MoeConfig pick_config gives (e.g. half_tail), an upper-case key a constant of
 kernels/fused_moe.py (e.g. ALL_SLOTS_MAX). The first variant is the reference. Edit VARIANTS to measure a new one.
+`--baseline FILE`: a kernels/fused_moe.py of another commit (`git show REV:kernels/fused_moe.py > FILE`), measured
+as one more variant, so that a code change is A/B'd in one process too.
 
-    python benchmarks/moe_variants.py [--tokens 1024,4096,8192] [--rounds 3] [--out FILE.csv]
+    python benchmarks/moe_variants.py [--tokens 1024,4096,8192] [--rounds 3] [--variants kept,...] [--baseline FILE]
+                                      [--out FILE.csv]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from dataclasses import replace
 
 import pandas as pd
@@ -41,21 +46,40 @@ def per_expert(lora, g):
                       .to(torch.bfloat16), slots=lora.slots)
 
 
+def load_baseline(path: str):
+    """kernels/fused_moe.py of another commit as module lora_eval.kernels.fused_moe_baseline (its relative imports
+    resolve to this tree's kernels)."""
+    spec = importlib.util.spec_from_file_location("lora_eval.kernels.fused_moe_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def applied(settings: dict, T: int):
-    """The MoeConfig of `settings` at T tokens; sets its module constants (the caller restores them)."""
+    """(module, MoeConfig) of `settings` at T tokens; sets the module's constants (the caller restores them).
+    The key "module" picks another fused_moe module (--baseline)."""
+    module = settings.get("module", fm)
     for key, value in settings.items():
         if key.isupper():
-            setattr(fm, key, value)
-    fields = {k: v for k, v in settings.items() if not k.isupper()}
-    return replace(fm.pick_config(T, K_TOP, E), **fields)
+            setattr(module, key, value)
+    fields = {k: v for k, v in settings.items() if not k.isupper() and k != "module"}
+    return module, replace(module.pick_config(T, K_TOP, E), **fields)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1024,4096,8192,16384")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default=None, help="names of VARIANTS to measure (comma-separated; default all)")
+    parser.add_argument("--baseline", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.variants:
+        for name in set(VARIANTS) - set(args.variants.split(",")):
+            del VARIANTS[name]
+    if args.baseline:
+        VARIANTS[f"baseline {args.baseline}"] = dict(module=load_baseline(args.baseline))
     g = torch.Generator(device="cuda").manual_seed(0)
     w_gu, w_d, shared_outer = layer_weights(g)
     constants = {k for v in VARIANTS.values() for k in v if k.isupper()}
@@ -74,9 +98,9 @@ def main():
         times = {}
         for r in range(args.rounds):
             for name, settings in VARIANTS.items():
-                config = applied(settings, T)
+                module, config = applied(settings, T)
                 for case, (lora, slots, meta) in calls.items():
-                    call = lambda: fm.fused_moe(x, ids, w, w_gu, w_d, lora, slots, config=config,  # noqa: E731
+                    call = lambda: module.fused_moe(x, ids, w, w_gu, w_d, lora, slots, config=config,  # noqa: E731
                                                 lora_meta=meta)
                     call()  # compile outside the capture
                     ms = triton.testing.do_bench_cudagraph(call, rep=100, return_mode="median")

@@ -653,7 +653,9 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
     w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w
     a_arg = TensorDescriptor.from_tensor(a, [BM, config["BLOCK_K"]]) if a_tma else a
-    a_half = TensorDescriptor.from_tensor(a, [BM // 2, config["BLOCK_K"]]) if a_tma and half_tail else a_arg
+    # a's half-height descriptor whenever a loads through TMA: the kernel's half-tile branch is compiled even
+    # when HALF_TAIL is off, and needs a descriptor of its shape (a full-height one fails to compile)
+    a_half = TensorDescriptor.from_tensor(a, [BM // 2, config["BLOCK_K"]]) if a_tma else a_arg
     moe_gemm_kernel[grid](
         a_arg, a_half, w_arg, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,

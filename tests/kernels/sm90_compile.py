@@ -1,0 +1,79 @@
+"""Compile kernels for an H100 (sm_90) on a machine without a GPU: a stand-in Triton driver whose launches do
+nothing, so a whole fused MoE layer's launches go through Triton's real compiler (TTIR -> PTX -> ptxas) and its
+shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descriptors, wgmma pipelines) that the
+interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
+
+    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES; prints one line per compiled kernel)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+H100_SHARED = 232448  # bytes of shared memory one block may use on an H100 (227 KB)
+
+
+class _Utils:
+    def get_device_properties(self, device):
+        return {"max_shared_mem": H100_SHARED, "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
+
+    def load_binary(self, name, kernel, shared, device):
+        print(f"compiled {name}: {shared} bytes of shared memory", flush=True)
+        return 1, 1, 0, 0, 1024  # module, function, registers, spills, max threads
+
+
+class StandInHopper:
+    """The parts of Triton's CUDA driver a launch touches, for an sm_90 target; launches do nothing."""
+    utils = _Utils()
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args, **kwargs: None
+
+
+def _layer(T: int, config_change: dict):
+    """One fused MoE layer at Qwen3-30B-A3B shapes with a per-expert LoRA (PEFT's layout), 4 adapter slots."""
+    from lora_eval.adapters.stack import ExpertLoRA
+    from lora_eval.kernels import fused_moe as fm
+
+    E, k, H, I, S, R = 128, 8, 2048, 768, 4, 16
+    bf16 = dict(dtype=torch.bfloat16)
+    lora = ExpertLoRA(gate_up_A=torch.empty(S, E, 2 * R, H, **bf16), gate_up_B=torch.empty(S, E, 2 * I, 2 * R, **bf16),
+                      down_A=torch.empty(S, E, R, I, **bf16), down_B=torch.empty(S, E, H, R, **bf16),
+                      slots=frozenset(range(S)))
+    config = replace(fm.pick_config(T, k, E), **config_change)
+    x = torch.empty(T, H, **bf16)
+    ids = torch.zeros(T, k, dtype=torch.long)
+    weights = torch.empty(T, k, **bf16)
+    w_gu, w_d = torch.empty(E, 2 * I, H, **bf16), torch.empty(E, H, I, **bf16)
+    slots = torch.zeros(T, dtype=torch.long)
+    fm.fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=config)
+
+
+CASES = {  # name: (tokens, MoeConfig changes)
+    "moe-4096": (4096, {}),  # gathered activation rows, TMA weights, half-height tails, the LoRA expand first
+    "moe-8192": (8192, {}),  # block-ordered activation through TMA, half-height tails, the LoRA expand first
+    "moe-8192-no-half-tail": (8192, {"half_tail": False}),  # a TMA activation without half-height tails
+}
+
+if __name__ == "__main__":
+    driver.set_active(StandInHopper())
+    tokens, change = CASES[sys.argv[1]]
+    _layer(tokens, change)
