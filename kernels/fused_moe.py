@@ -95,6 +95,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+from . import moe_down_gluon  # noqa: E402
 from .dense_lora import dense_lora_shrink, lora_metadata, row_slots  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
 from .tma import tma_ready  # noqa: E402
@@ -110,7 +111,9 @@ class MoeConfig:
     block with pairs in its first half only (an expert group's last block) computes half the rows. `pair_shrink`:
     with a down B shared by all experts, the down GEMM's N tile 0 computes the down LoRA shrink from the activation
     tiles it loads anyway (else a separate shrink kernel reads the activation again). `shrink`: by GEMM ("gate_up",
-    "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried)."""
+    "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried).
+    `gluon_down`: a down GEMM without LoRA work or bias runs as the persistent Gluon kernel (kernels/moe_down_gluon.py)
+    where it can (a Hopper GPU, the block-ordered activation), else moe_gemm."""
     block_m: int
     gate_up: dict
     down: dict
@@ -120,6 +123,7 @@ class MoeConfig:
     half_tail: bool = False
     pair_shrink: bool = False
     shrink: dict = field(default_factory=dict)
+    gluon_down: bool = False
 
     def tiles(self, gemm: str) -> dict:
         return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
@@ -134,7 +138,8 @@ def _tiles(n, k, warps, stages, group_m=8):
 
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
 # shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
-# 2048 (gate_up); the block-ordered activation from 8192 on. A/B in one process (benchmarks/moe_variants.py):
+# 2048 (gate_up); the block-ordered activation from 8192 on, with the base down GEMM as the persistent Gluon kernel
+# there (433 against 467 us at 8192 tokens, benchmarks/gluon_down_gemm.py). A/B in one process (moe_variants.py):
 # the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
 # 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
 # 16-row blocks (within +-0.01 either way); half-height tail blocks paid at 128-row blocks (base 1.2-4% faster
@@ -151,7 +156,7 @@ CONFIGS = {
     256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, expand_first=True,
                    half_tail=True, pair_shrink=True, shrink=_SHRINK_128),
     None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True,
-                    expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128),
+                    expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128, gluon_down=True),
 }
 
 
@@ -462,12 +467,16 @@ def moe_gemm_kernel(
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    half = False
+    # a switched-off feature's flag is a constexpr, so that its branches below are not compiled (a plain `= False`
+    # would be a tensor: the compiler builds both sides of `if flag:`)
     if HALF_TAIL:
         half = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= P
-    shrink = False
+    else:
+        half: tl.constexpr = False
     if PAIR_SHRINK:
         shrink = (pid_n == 0) & (tl.load(block_hi_ptr + pid_m) >= 0)
+    else:
+        shrink: tl.constexpr = False
     if half:
         if shrink:
             _moe_tile(a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
@@ -653,9 +662,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
     w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w
     a_arg = TensorDescriptor.from_tensor(a, [BM, config["BLOCK_K"]]) if a_tma else a
-    # a's half-height descriptor whenever a loads through TMA: the kernel's half-tile branch is compiled even
-    # when HALF_TAIL is off, and needs a descriptor of its shape (a full-height one fails to compile)
-    a_half = TensorDescriptor.from_tensor(a, [BM // 2, config["BLOCK_K"]]) if a_tma else a_arg
+    a_half = TensorDescriptor.from_tensor(a, [BM // 2, config["BLOCK_K"]]) if a_tma and half_tail else a_arg
     moe_gemm_kernel[grid](
         a_arg, a_half, w_arg, out, align.sorted_pairs, align.block_expert, align.num_padded,
         topk_weights if topk_weights is not None else a,
@@ -720,9 +727,13 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
             shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
                                      a_sorted=config.sorted_act, tiles=config.shrink_tiles("down"))  # [blocks * BM, R]
             down_lora = dict(lora_B=lora.down_B, shrunk=shrunk)
-    moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
-             topk_weights=topk_weights.reshape(-1), bias=down_bias, config=config.tiles("down"),
-             w_tma=config.w_tma and tma_ready(w_down), a_sorted=config.sorted_act,
-             a_tma=config.sorted_act and config.w_tma and tma_ready(act), expand_first=config.expand_first,
-             half_tail=config.half_tail, **down_lora)
+    if (config.gluon_down and config.sorted_act and not down_lora and down_bias is None
+            and moe_down_gluon.usable(act, w_down, BM)):
+        moe_down_gluon.moe_down_gluon(act, w_down, y, align, topk_weights.reshape(-1))
+    else:
+        moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
+                 topk_weights=topk_weights.reshape(-1), bias=down_bias, config=config.tiles("down"),
+                 w_tma=config.w_tma and tma_ready(w_down), a_sorted=config.sorted_act,
+                 a_tma=config.sorted_act and config.w_tma and tma_ready(act), expand_first=config.expand_first,
+                 half_tail=config.half_tail, **down_lora)
     return moe_sum(y.view(T, k, H), sum_lora, residual)  # [T, H]

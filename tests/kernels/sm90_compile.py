@@ -3,7 +3,8 @@ nothing, so a whole fused MoE layer's launches go through Triton's real compiler
 shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descriptors, wgmma pipelines) that the
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
-    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES; prints one line per compiled kernel)
+    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES or moe-down-gluon; prints one line per
+                                                   compiled kernel)
 """
 
 from __future__ import annotations
@@ -67,6 +68,22 @@ def _layer(T: int, config_change: dict):
     fm.fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=config)
 
 
+def _gluon_down(T: int):
+    """The persistent Gluon down GEMM (kernels/moe_down_gluon.py) at Qwen3-30B-A3B shapes."""
+    from lora_eval.kernels.moe_align import MoeAlignment
+    from lora_eval.kernels.moe_down_gluon import BLOCK_M, moe_down_gluon
+
+    E, k, H, I = 128, 8, 2048, 768
+    blocks = T * k // BLOCK_M + E
+    align = MoeAlignment(sorted_pairs=torch.zeros(blocks * BLOCK_M, dtype=torch.int32),
+                         block_expert=torch.zeros(blocks, dtype=torch.int32), block_slot_lo=None, block_slot_hi=None,
+                         token_slots=None, num_padded=torch.zeros(1, dtype=torch.int32), block_m=BLOCK_M,
+                         num_pairs=T * k)
+    act = torch.empty(blocks * BLOCK_M, I, dtype=torch.bfloat16)
+    moe_down_gluon(act, torch.empty(E, H, I, dtype=torch.bfloat16), torch.empty(T * k, H, dtype=torch.bfloat16),
+                   align, torch.empty(T * k, dtype=torch.bfloat16))
+
+
 CASES = {  # name: (tokens, MoeConfig changes)
     "moe-4096": (4096, {}),  # gathered activation rows, TMA weights, half-height tails, the LoRA expand first
     "moe-8192": (8192, {}),  # block-ordered activation through TMA, half-height tails, the LoRA expand first
@@ -75,5 +92,8 @@ CASES = {  # name: (tokens, MoeConfig changes)
 
 if __name__ == "__main__":
     driver.set_active(StandInHopper())
-    tokens, change = CASES[sys.argv[1]]
-    _layer(tokens, change)
+    if sys.argv[1] == "moe-down-gluon":
+        _gluon_down(8192)
+    else:
+        tokens, change = CASES[sys.argv[1]]
+        _layer(tokens, change)

@@ -325,12 +325,41 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [40, 8192])
+def test_gluon_down_gemm_equals_moe_gemm(T):
+    """The persistent Gluon down GEMM (the base down GEMM from 8192 tokens on) against moe_gemm on the same
+    block-ordered activation, bit for bit, and against moe_down_ref; Qwen3-30B-A3B shapes, an expert without tokens,
+    NaN-poisoned output. 40 tokens: fewer tiles than SMs (most programs get none)."""
+    from lora_eval.kernels.moe_down_gluon import moe_down_gluon, moe_down_ref, usable
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    E, k, H, I, BM = 128, 8, 2048, 768, 128
+    ids, weights = routing(T, E, k, g, device="cuda", skip_expert=5)
+    weights = weights.reshape(-1).to(torch.bfloat16)
+    align = moe_align(ids, E, BM)
+    act = torch.randn(align.num_blocks * BM, I, generator=g).to("cuda", torch.bfloat16)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to("cuda", torch.bfloat16)
+    if not usable(act, w_d, BM):
+        pytest.skip("needs a Hopper GPU and Gluon")
+    y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_down_gluon(act, w_d, y, align, weights)
+    y_triton = torch.empty_like(y)
+    moe_gemm(act, w_d, y_triton, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights,
+             config=pick_config(8192, k, E).tiles("down"), w_tma=True, a_sorted=True, a_tma=True)
+    assert not y.isnan().any()
+    assert torch.equal(y, y_triton)
+    assert rel_err(y, moe_down_ref(act, w_d, align, weights)) < 1e-2
+
+
 def test_pick_config_by_pairs_per_expert():
     """Small batches keep pointer loads; large ones take TMA weights and the block-ordered activation; float32
     halves the K step and the pipeline of both GEMMs (4-byte tiles)."""
     small, large = pick_config(64, 8, 128), pick_config(16384, 8, 128)
     assert small.block_m == 16 and not small.w_tma and not small.sorted_act
     assert large.block_m == 128 and large.w_tma and large.sorted_act and large.half_tail and large.pair_shrink
+    assert large.gluon_down and not small.gluon_down  # the persistent Gluon down GEMM with the block-ordered act
     fp32 = pick_config(16384, 8, 128, torch.float32)
     assert fp32.block_m == 128 and fp32.w_tma == large.w_tma
     assert all(getattr(fp32, g)["BLOCK_K"] <= 32 and getattr(fp32, g)["num_stages"] == 2 for g in ("gate_up", "down"))

@@ -15,14 +15,26 @@ SCRIPT = Path(__file__).with_name("sm90_compile.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("case", ["moe-4096", "moe-8192", "moe-8192-no-half-tail"])
-def test_fused_moe_compiles_for_hopper(case):
+def compile_case(case: str) -> dict[str, int]:
+    """{kernel name: shared memory bytes} of the kernels CASE compiles for sm_90 (fails the test on any error)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(SCRIPT), case], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    compiled = dict(re.findall(r"compiled (\w+): (\d+) bytes", run.stdout))
+    return {name: int(size) for name, size in re.findall(r"compiled (\w+): (\d+) bytes", run.stdout)}
+
+
+@pytest.mark.parametrize("case", ["moe-4096", "moe-8192", "moe-8192-no-half-tail"])
+def test_fused_moe_compiles_for_hopper(case):
+    compiled = compile_case(case)
     # every launch of a LoRA layer: alignment, both shrinks, both GEMMs, the sum over k
     assert set(compiled) == {"moe_count_kernel", "moe_place_kernel", "moe_lora_shrink_kernel", "moe_gemm_kernel",
-                             "moe_sum_kernel"}, run.stdout
-    assert int(compiled["moe_gemm_kernel"]) > 100_000  # the pipelined GEMM's stages (a real sm_90 compile)
+                             "moe_sum_kernel"}, compiled
+    assert compiled["moe_gemm_kernel"] > 100_000  # the pipelined GEMM's stages (a real sm_90 compile)
+
+
+def test_gluon_down_gemm_compiles_for_hopper():
+    """The persistent Gluon down GEMM (never run by the interpreter): 4 stages of act and weight tiles."""
+    compiled = compile_case("moe-down-gluon")
+    assert set(compiled) == {"moe_down_kernel"}
+    assert compiled["moe_down_kernel"] >= 4 * (128 + 256) * 64 * 2
