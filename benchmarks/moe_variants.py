@@ -32,7 +32,7 @@ VARIANTS = {  # name: settings (the switches measured in the fifth session, BENC
     "no half-height tail blocks": dict(half_tail=False),
     "expand after the main loop": dict(expand_first=False),
     "down shrink kernel": dict(pair_shrink=False),
-    "down GEMM in Triton (no Gluon)": dict(gluon_down=False),
+    "base GEMMs in Triton (no Gluon)": dict(gluon=False),
 }
 
 

@@ -95,7 +95,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from . import moe_down_gluon  # noqa: E402
+from . import moe_gemm_gluon  # noqa: E402
 from .dense_lora import dense_lora_shrink, lora_metadata, row_slots  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
 from .tma import tma_ready  # noqa: E402
@@ -112,8 +112,9 @@ class MoeConfig:
     with a down B shared by all experts, the down GEMM's N tile 0 computes the down LoRA shrink from the activation
     tiles it loads anyway (else a separate shrink kernel reads the activation again). `shrink`: by GEMM ("gate_up",
     "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried).
-    `gluon_down`: a down GEMM without LoRA work or bias runs as the persistent Gluon kernel (kernels/moe_down_gluon.py)
-    where it can (a Hopper GPU, the block-ordered activation), else moe_gemm."""
+    `gluon`: the GEMMs run as persistent Gluon kernels (kernels/moe_gemm_gluon.py) where they can (a Hopper GPU, the
+    block-ordered activation; gate_up: SiLU gate, no bias, its LoRA expand included; down: no LoRA work, no bias),
+    else moe_gemm."""
     block_m: int
     gate_up: dict
     down: dict
@@ -123,7 +124,7 @@ class MoeConfig:
     half_tail: bool = False
     pair_shrink: bool = False
     shrink: dict = field(default_factory=dict)
-    gluon_down: bool = False
+    gluon: bool = False
 
     def tiles(self, gemm: str) -> dict:
         return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
@@ -138,8 +139,9 @@ def _tiles(n, k, warps, stages, group_m=8):
 
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
 # shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
-# 2048 (gate_up); the block-ordered activation from 8192 on, with the base down GEMM as the persistent Gluon kernel
-# there (433 against 467 us at 8192 tokens, benchmarks/gluon_down_gemm.py). A/B in one process (moe_variants.py):
+# 2048 (gate_up); the block-ordered activation from 8192 on, with the base GEMMs as persistent Gluon kernels there
+# (gate_up 825 against 844 us, down 431 against 457 at 8192 tokens, benchmarks/gluon_moe_gemm.py). A/B in one
+# process (benchmarks/moe_variants.py):
 # the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
 # 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
 # 16-row blocks (within +-0.01 either way); half-height tail blocks paid at 128-row blocks (base 1.2-4% faster
@@ -156,7 +158,7 @@ CONFIGS = {
     256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, expand_first=True,
                    half_tail=True, pair_shrink=True, shrink=_SHRINK_128),
     None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True,
-                    expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128, gluon_down=True),
+                    expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128, gluon=True),
 }
 
 
@@ -706,10 +708,16 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
             gate_up_lora = dict(shrunk=moe_lora_shrink(x, lora.gate_up_A, align, rows_are_tokens=True, top_k=k,
                                                        tiles=config.shrink_tiles("gate_up")))
         gate_up_lora["lora_B"] = lora.gate_up_B
-    moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k, bias=gate_up_bias,
-             activation=activation, alpha=alpha, limit=limit, config=config.tiles("gate_up"),
-             w_tma=config.w_tma and tma_ready(w_gate_up), out_sorted=config.sorted_act,
-             expand_first=config.expand_first, half_tail=config.half_tail, **gate_up_lora)
+    if (config.gluon and config.sorted_act and gate_up_bias is None and activation == "silu"
+            and moe_gemm_gluon.usable(x, w_gate_up, BM, gated=True)):
+        gluon_lora = (gate_up_lora["shrunk"], gate_up_lora["lora_B"], gate_up_lora.get("shrunk_by_token", False)) \
+            if gate_up_lora else None
+        moe_gemm_gluon.moe_gate_up_gluon(x, w_gate_up, act, align, k, gluon_lora)
+    else:
+        moe_gemm(x, w_gate_up, act, align, gated=True, rows_are_tokens=True, top_k=k, bias=gate_up_bias,
+                 activation=activation, alpha=alpha, limit=limit, config=config.tiles("gate_up"),
+                 w_tma=config.w_tma and tma_ready(w_gate_up), out_sorted=config.sorted_act,
+                 expand_first=config.expand_first, half_tail=config.half_tail, **gate_up_lora)
     y = torch.empty(T * k, H, dtype=x.dtype, device=x.device)  # [P, H]
     if lora is not None:
         R_down = lora.down_A.shape[2]
@@ -727,9 +735,9 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
             shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
                                      a_sorted=config.sorted_act, tiles=config.shrink_tiles("down"))  # [blocks * BM, R]
             down_lora = dict(lora_B=lora.down_B, shrunk=shrunk)
-    if (config.gluon_down and config.sorted_act and not down_lora and down_bias is None
-            and moe_down_gluon.usable(act, w_down, BM)):
-        moe_down_gluon.moe_down_gluon(act, w_down, y, align, topk_weights.reshape(-1))
+    if (config.gluon and config.sorted_act and not down_lora and down_bias is None
+            and moe_gemm_gluon.usable(act, w_down, BM, gated=False)):
+        moe_gemm_gluon.moe_down_gluon(act, w_down, y, align, topk_weights.reshape(-1))
     else:
         moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
                  topk_weights=topk_weights.reshape(-1), bias=down_bias, config=config.tiles("down"),

@@ -3,7 +3,7 @@ nothing, so a whole fused MoE layer's launches go through Triton's real compiler
 shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descriptors, wgmma pipelines) that the
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
-    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES or moe-down-gluon; prints one line per
+    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES or gluon-gemms; prints one line per
                                                    compiled kernel)
 """
 
@@ -68,20 +68,28 @@ def _layer(T: int, config_change: dict):
     fm.fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=config)
 
 
-def _gluon_down(T: int):
-    """The persistent Gluon down GEMM (kernels/moe_down_gluon.py) at Qwen3-30B-A3B shapes."""
+def _gluon_gemms(T: int):
+    """Both persistent Gluon GEMMs (kernels/moe_gemm_gluon.py) at Qwen3-30B-A3B shapes."""
+    from lora_eval.kernels import moe_gemm_gluon as mg
     from lora_eval.kernels.moe_align import MoeAlignment
-    from lora_eval.kernels.moe_down_gluon import BLOCK_M, moe_down_gluon
 
-    E, k, H, I = 128, 8, 2048, 768
-    blocks = T * k // BLOCK_M + E
-    align = MoeAlignment(sorted_pairs=torch.zeros(blocks * BLOCK_M, dtype=torch.int32),
+    E, k, H, I, BM = 128, 8, 2048, 768, mg.BLOCK_M
+    blocks = T * k // BM + E
+    align = MoeAlignment(sorted_pairs=torch.zeros(blocks * BM, dtype=torch.int32),
                          block_expert=torch.zeros(blocks, dtype=torch.int32), block_slot_lo=None, block_slot_hi=None,
-                         token_slots=None, num_padded=torch.zeros(1, dtype=torch.int32), block_m=BLOCK_M,
-                         num_pairs=T * k)
-    act = torch.empty(blocks * BLOCK_M, I, dtype=torch.bfloat16)
-    moe_down_gluon(act, torch.empty(E, H, I, dtype=torch.bfloat16), torch.empty(T * k, H, dtype=torch.bfloat16),
-                   align, torch.empty(T * k, dtype=torch.bfloat16))
+                         token_slots=None, num_padded=torch.zeros(1, dtype=torch.int32), block_m=BM, num_pairs=T * k)
+    bf16 = dict(dtype=torch.bfloat16)
+    act = torch.empty(blocks * BM, I, **bf16)
+    x, w_gu = torch.empty(T, H, **bf16), torch.empty(E, 2 * I, H, **bf16)
+    mg.moe_gate_up_gluon(x, w_gu, act, align, k)
+    align.token_slots = torch.zeros(T, dtype=torch.long)
+    align.block_slot_lo = align.block_slot_hi = torch.zeros(blocks, dtype=torch.int32)
+    for by_token, R in ((False, 32), (True, 16)):  # per-expert A (PEFT: gate and up stacked), a shared A
+        # (by token: dense_lora_shrink's float32 partial sums)
+        shrunk = torch.empty(T, R, dtype=torch.float32) if by_token else torch.empty(blocks * BM, R, **bf16)
+        mg.moe_gate_up_gluon(x, w_gu, act, align, k, (shrunk, torch.empty(4, E, 2 * I, R, **bf16), by_token))
+    mg.moe_down_gluon(act, torch.empty(E, H, I, **bf16), torch.empty(T * k, H, **bf16), align,
+                      torch.empty(T * k, **bf16))
 
 
 CASES = {  # name: (tokens, MoeConfig changes)
@@ -92,8 +100,8 @@ CASES = {  # name: (tokens, MoeConfig changes)
 
 if __name__ == "__main__":
     driver.set_active(StandInHopper())
-    if sys.argv[1] == "moe-down-gluon":
-        _gluon_down(8192)
+    if sys.argv[1] == "gluon-gemms":
+        _gluon_gemms(8192)
     else:
         tokens, change = CASES[sys.argv[1]]
         _layer(tokens, change)

@@ -328,29 +328,58 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [40, 8192])
-def test_gluon_down_gemm_equals_moe_gemm(T):
-    """The persistent Gluon down GEMM (the base down GEMM from 8192 tokens on) against moe_gemm on the same
-    block-ordered activation, bit for bit, and against moe_down_ref; Qwen3-30B-A3B shapes, an expert without tokens,
-    NaN-poisoned output. 40 tokens: fewer tiles than SMs (most programs get none)."""
-    from lora_eval.kernels.moe_down_gluon import moe_down_gluon, moe_down_ref, usable
+def test_gluon_gemms_equal_moe_gemm(T):
+    """The persistent Gluon GEMMs (the base layer's from 8192 tokens on) against moe_gemm on the same alignment,
+    bit for bit, and against their torch references; Qwen3-30B-A3B shapes, an expert without tokens, NaN-poisoned
+    outputs. 40 tokens: fewer tiles than SMs (most programs get none)."""
+    from lora_eval.kernels import moe_gemm_gluon as mg
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     E, k, H, I, BM = 128, 8, 2048, 768, 128
     ids, weights = routing(T, E, k, g, device="cuda", skip_expert=5)
     weights = weights.reshape(-1).to(torch.bfloat16)
     align = moe_align(ids, E, BM)
-    act = torch.randn(align.num_blocks * BM, I, generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to("cuda", torch.bfloat16)
     w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to("cuda", torch.bfloat16)
-    if not usable(act, w_d, BM):
+    if not (mg.usable(x, w_gu, BM, gated=True) and mg.usable(x.new_empty(BM, I), w_d, BM, gated=False)):
         pytest.skip("needs a Hopper GPU and Gluon")
-    y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-    moe_down_gluon(act, w_d, y, align, weights)
+    tiles = pick_config(8192, k, E)
+    rows = align.num_blocks * BM
+    act = torch.full((rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")  # [NB * BM, I] block order
+    mg.moe_gate_up_gluon(x, w_gu, act, align, k)
+    act_triton = torch.full_like(act, float("nan"))
+    moe_gemm(x, w_gu, act_triton, align, gated=True, rows_are_tokens=True, top_k=k, config=tiles.tiles("gate_up"),
+             w_tma=True, out_sorted=True)
+    padded = int(align.num_padded)
+    assert not act[:padded].isnan().any()
+    assert torch.equal(act[:padded], act_triton[:padded])
+    assert rel_err(act[:padded], mg.moe_gate_up_ref(x, w_gu, align, k)[:padded]) < 1e-2
+    y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")  # [P, H]
+    mg.moe_down_gluon(act, w_d, y, align, weights)
     y_triton = torch.empty_like(y)
     moe_gemm(act, w_d, y_triton, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights,
-             config=pick_config(8192, k, E).tiles("down"), w_tma=True, a_sorted=True, a_tma=True)
+             config=tiles.tiles("down"), w_tma=True, a_sorted=True, a_tma=True)
     assert not y.isnan().any()
     assert torch.equal(y, y_triton)
-    assert rel_err(y, moe_down_ref(act, w_d, align, weights)) < 1e-2
+    assert rel_err(y, mg.moe_down_ref(act, w_d, align, weights)) < 1e-2
+    # gate_up with its LoRA expand (4 adapter slots and rows of none; shrink by block row, and by token) against
+    # moe_gemm's expand-first, bit for bit
+    S, R = 4, 32
+    slots = torch.randint(-1, S, (T,), generator=g).to("cuda")
+    align = moe_align(ids, E, BM, slots, S)
+    B = (0.3 * torch.randn(S, E, 2 * I, R, generator=g)).to("cuda", torch.bfloat16)
+    for by_token in (False, True):
+        shrunk = torch.randn(T if by_token else align.num_blocks * BM, R, generator=g).to(  # by token: float32
+            "cuda", torch.float32 if by_token else torch.bfloat16)  # partial sums, as dense_lora_shrink gives
+        act = torch.full((rows, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        mg.moe_gate_up_gluon(x, w_gu, act, align, k, (shrunk, B, by_token))
+        moe_gemm(x, w_gu, act_triton, align, gated=True, rows_are_tokens=True, top_k=k, lora_B=B, shrunk=shrunk,
+                 shrunk_by_token=by_token, config=tiles.tiles("gate_up"), w_tma=True, out_sorted=True,
+                 expand_first=True)
+        padded = int(align.num_padded)
+        assert not act[:padded].isnan().any()
+        assert torch.equal(act[:padded], act_triton[:padded])
 
 
 def test_pick_config_by_pairs_per_expert():
@@ -359,7 +388,7 @@ def test_pick_config_by_pairs_per_expert():
     small, large = pick_config(64, 8, 128), pick_config(16384, 8, 128)
     assert small.block_m == 16 and not small.w_tma and not small.sorted_act
     assert large.block_m == 128 and large.w_tma and large.sorted_act and large.half_tail and large.pair_shrink
-    assert large.gluon_down and not small.gluon_down  # the persistent Gluon down GEMM with the block-ordered act
+    assert large.gluon and not small.gluon  # the persistent Gluon GEMMs with the block-ordered activation
     fp32 = pick_config(16384, 8, 128, torch.float32)
     assert fp32.block_m == 128 and fp32.w_tma == large.w_tma
     assert all(getattr(fp32, g)["BLOCK_K"] <= 32 and getattr(fp32, g)["num_stages"] == 2 for g in ("gate_up", "down"))

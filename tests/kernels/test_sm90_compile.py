@@ -33,8 +33,9 @@ def test_fused_moe_compiles_for_hopper(case):
     assert compiled["moe_gemm_kernel"] > 100_000  # the pipelined GEMM's stages (a real sm_90 compile)
 
 
-def test_gluon_down_gemm_compiles_for_hopper():
-    """The persistent Gluon down GEMM (never run by the interpreter): 4 stages of act and weight tiles."""
-    compiled = compile_case("moe-down-gluon")
-    assert set(compiled) == {"moe_down_kernel"}
+def test_gluon_gemms_compile_for_hopper():
+    """The persistent Gluon GEMMs (never run by the interpreter): 4 stages of operand tiles each."""
+    compiled = compile_case("gluon-gemms")
+    assert set(compiled) == {"moe_gate_up_kernel", "moe_down_kernel"}
+    assert compiled["moe_gate_up_kernel"] >= 4 * (128 + 2 * 128) * 64 * 2
     assert compiled["moe_down_kernel"] >= 4 * (128 + 256) * 64 * 2
