@@ -89,6 +89,23 @@ if HAVE_GLUON:
                                          instr_shape=[16, block_n // (num_warps // warps_m), 16])
 
     @gluon.jit
+    def _ring_barriers(NUM_BUFFERS: gl.constexpr):
+        """One initialised mbarrier per buffer of the operand ring."""
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUFFERS):
+            mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        return bars
+
+    @gluon.jit
+    def _schedule(num_padded_ptr, BLOCK_M: gl.constexpr, NUM_N: gl.constexpr):
+        """(tiles, this program's first tile, stride between its tiles, its tile count): tiles t = first + i * step."""
+        num_tiles = gl.load(num_padded_ptr) // BLOCK_M * NUM_N
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+        return num_tiles, first, step, gl.cdiv(gl.maximum(num_tiles - first, 0), step)
+
+    @gluon.jit
     def _down_loads(producer, a_desc, w_desc, off_m, w_row, k, bars, a_bufs, w_bufs, NUM_BUFFERS: gl.constexpr,
                     pred=True):
         """TMA loads of step k's act tile [BM, BK] and weight tile [BN, BK] into buffer producer % NUM_BUFFERS."""
@@ -135,15 +152,8 @@ if HAVE_GLUON:
 
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUFFERS):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-
-        num_tiles = gl.load(num_padded_ptr) // BLOCK_M * NUM_N
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-        my_tiles = gl.cdiv(gl.maximum(num_tiles - first, 0), step)
+        bars = _ring_barriers(NUM_BUFFERS)
+        num_tiles, first, step, my_tiles = _schedule(num_padded_ptr, BLOCK_M, NUM_N)
         producer = 0
         consumer = 0
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)  # [BM, BN]
@@ -294,15 +304,8 @@ if HAVE_GLUON:
         g_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
         u_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
         out_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUFFERS):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-
-        num_tiles = gl.load(num_padded_ptr) // BLOCK_M * NUM_N
-        first = gl.program_id(0)
-        step = gl.num_programs(0)
-        my_tiles = gl.cdiv(gl.maximum(num_tiles - first, 0), step)
+        bars = _ring_barriers(NUM_BUFFERS)
+        num_tiles, first, step, my_tiles = _schedule(num_padded_ptr, BLOCK_M, NUM_N)
         producer = 0
         consumer = 0
         acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)  # [BM, BN]
