@@ -140,7 +140,7 @@ def _tiles(n, k, warps, stages, group_m=8):
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
 # shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
 # 2048 (gate_up); the block-ordered activation from 8192 on, with the base GEMMs as persistent Gluon kernels there
-# (gate_up 825 against 844 us, down 431 against 457 at 8192 tokens, benchmarks/gluon_moe_gemm.py). A/B in one
+# (gate_up 809 against 843 us, down 418 against 453 at 8192 tokens, benchmarks/gluon_moe_gemm.py). A/B in one
 # process (benchmarks/moe_variants.py):
 # the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
 # 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
