@@ -3,8 +3,8 @@ nothing, so a whole fused MoE layer's launches go through Triton's real compiler
 shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descriptors, wgmma pipelines) that the
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
-    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES or gluon-gemms; prints one line per
-                                                   compiled kernel)
+    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms or dense-lora-partials;
+                                                   prints one line per compiled kernel)
 """
 
 from __future__ import annotations
@@ -92,6 +92,27 @@ def _gluon_gemms(T: int):
                       torch.empty(T * k, **bf16))
 
 
+def _dense_consumers(T: int = 128):
+    """Every consumer of a dense LoRA shrink at MAX_SPLITS partial sums, Qwen3-30B-A3B shapes (bf16): the expand,
+    o_proj's residual add, q's norm + RoPE, the router's top-k (the seventh session's 274 KB overflow)."""
+    from lora_eval.kernels.dense_lora import MAX_SPLITS, dense_lora_expand, lora_metadata, lora_residual_add
+    from lora_eval.kernels.head_norm_rope import head_norm_rope
+    from lora_eval.kernels.router import router_topk
+
+    R, S, D = 16, 4, 128
+    bf16 = dict(dtype=torch.bfloat16)
+    parts = torch.empty(MAX_SPLITS, T, R)
+    meta = lora_metadata(torch.arange(T) % (S + 1) - 1, S)
+    lora = (meta.row_slot, None)
+    dense_lora_expand(torch.empty(T, 4096, **bf16), parts, torch.empty(S, 4096, R, **bf16), meta)
+    lora_residual_add(torch.empty(T, 2048, **bf16), torch.empty(T, 2048, **bf16), parts,
+                      torch.empty(S, 2048, R, **bf16), meta)
+    cos = sin = torch.empty(1, T, D, **bf16)
+    head_norm_rope(torch.empty(T, 32 * D, **bf16), torch.empty(D, **bf16), 1e-6, cos, sin,
+                   lora=(parts, torch.empty(S, 32 * D, R, **bf16), *lora))
+    router_topk(torch.empty(T, 128, **bf16), 8, True, lora=(parts, torch.empty(S, 128, R, **bf16), *lora))
+
+
 CASES = {  # name: (tokens, MoeConfig changes)
     "moe-4096": (4096, {}),  # gathered activation rows, TMA weights, half-height tails, the LoRA expand first
     "moe-8192": (8192, {}),  # block-ordered activation through TMA, half-height tails, the LoRA expand first
@@ -102,6 +123,8 @@ if __name__ == "__main__":
     driver.set_active(StandInHopper())
     if sys.argv[1] == "gluon-gemms":
         _gluon_gemms(8192)
+    elif sys.argv[1] == "dense-lora-partials":
+        _dense_consumers()
     else:
         tokens, change = CASES[sys.argv[1]]
         _layer(tokens, change)

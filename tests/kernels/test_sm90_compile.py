@@ -1,5 +1,6 @@
 """The fused MoE layer's kernels compiled for an H100 (sm_90) on a machine without a GPU (tests/kernels/
-sm90_compile.py): compile errors of the GPU-only paths and shared memory beyond 227 KB show up on a CPU run."""
+sm90_compile.py), the Gluon GEMMs and the dense LoRA consumers: compile errors of the GPU-only paths and
+shared memory beyond 227 KB show up on a CPU run."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def test_gluon_gemms_compile_for_hopper():
     assert set(compiled) == {"moe_gate_up_kernel", "moe_down_kernel"}
     assert compiled["moe_gate_up_kernel"] >= 4 * (128 + 2 * 128) * 64 * 2
     assert compiled["moe_down_kernel"] >= 4 * (128 + 256) * 64 * 2
+
+
+def test_dense_lora_consumers_compile_with_the_most_partials():
+    """Every consumer of a dense LoRA shrink at MAX_SPLITS partial sums (each loads a row's partials once; inside
+    the slot loop they once needed 274 KB of shared memory at 32 partials)."""
+    compiled = compile_case("dense-lora-partials")
+    assert set(compiled) == {"_expand_kernel", "_residual_add_kernel", "head_norm_rope_kernel", "router_topk_kernel"}
