@@ -113,7 +113,8 @@ class MoeConfig:
     tiles it loads anyway (else a separate shrink kernel reads the activation again). `shrink`: by GEMM ("gate_up",
     "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried).
     `gluon`: the GEMMs run as persistent Gluon kernels (kernels/moe_gemm_gluon.py) where they can (a Hopper GPU, the
-    block-ordered activation; gate_up: SiLU gate, no bias, its LoRA expand included; down: no LoRA work, no bias),
+    block-ordered activation; gate_up: SiLU gate, no bias, its LoRA expand included up to rank 32 (gate and up
+    together); down: no LoRA work, no bias),
     else moe_gemm."""
     block_m: int
     gate_up: dict
@@ -174,6 +175,40 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtyp
 
 
 SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
+GEMM_SMEM = 227 * 1024  # shared memory one block of the grouped GEMM may use (H100 / H200)
+
+
+def gemm_stages(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size: int) -> int:
+    """The grouped GEMM's pipeline depth with LoRA work: tiles' num_stages, less while its pipelined tiles
+    ((stages - 1) x (a tile, the weight tiles, the pair shrink's A tile)) and the expand's operands (a block's
+    shrink rows and B tiles; twice for blocks above 16 rows, their layout conversions) would not fit GEMM_SMEM.
+    Checked by compiling for sm_90 (tests/kernels/test_sm90_compile.py): without it every expert adapter of rank
+    32 overflowed shared memory at 64 and at 2048+ tokens. A padded rank that fits no stage is refused by name."""
+    BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    weights = 2 if gated else 1
+    stage = (BM * BK + weights * BN * BK + BK * shrink_cols) * size
+    copies = 1 if BM <= 16 else 2  # measured: 16-row blocks hold the operands once, larger ones twice
+    operands = copies * (BM * lora_cols + weights * lora_cols * BN) * size + BM * shrink_cols * 4  # + the pair
+    stages = tiles["num_stages"]  # shrink's float32 [BM, slots x rank] in its epilogue
+    while stages > 2 and (stages - 1) * stage + operands > GEMM_SMEM:
+        stages -= 1
+    if stage + operands > GEMM_SMEM:
+        what = "gate_up (gate and up ranks together)" if gated else "down"
+        raise ValueError(f"fused_moe: an expert LoRA of rank {lora_cols} on {what} does not fit one block of the "
+                         f"grouped GEMM's {BM}x{BN} tiles on the GPU; up to {max_expand_rank(tiles, gated, size)} "
+                         f"fits at this batch size (slots x rank of the pair shrink: {shrink_cols})")
+    return stages
+
+
+def max_expand_rank(tiles: dict, gated: bool, size: int) -> int:
+    """The largest padded LoRA rank whose expand operands fit beside one stage of the grouped GEMM's tiles."""
+    BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
+    weights = 2 if gated else 1
+    rank = 16
+    copies = 1 if BM <= 16 else 2
+    while (BM * BK + weights * BN * BK) * size + copies * (BM * 2 * rank + weights * 2 * rank * BN) * size <= GEMM_SMEM:
+        rank *= 2
+    return rank
 SHRINK_TILES = dict(BLOCK_K=256, num_warps=4, num_stages=3)  # the per-block shrink's defaults (MoeConfig.shrink)
 
 
@@ -661,6 +696,11 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         RS, BLOCK_S = 0, 1
         shrink_args = (a, a, 0, 0, 0, 0, 0, 0)
     BLOCK_RS = max(16, triton.next_power_of_2(RS))
+    BLOCK_R = max(16, triton.next_power_of_2(R))
+    if lora_B is not None or pair_shrink is not None:
+        config = dict(config, num_stages=gemm_stages(config, gated, BLOCK_R if lora_B is not None else 0,
+                                                     BLOCK_S * BLOCK_RS if pair_shrink is not None else 0,
+                                                     a.element_size()))
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
     w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w
     a_arg = TensorDescriptor.from_tensor(a, [BM, config["BLOCK_K"]]) if a_tma else a
@@ -676,7 +716,7 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, W_TMA=w_tma, A_TMA=a_tma, A_SORTED=a_sorted,
         OUT_SORTED=out_sorted, MUL_WEIGHT=topk_weights is not None,
         HAS_LORA=lora_B is not None, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=activation == "clamped_swiglu",
-        BLOCK_R=max(16, triton.next_power_of_2(R)), DOT_PRECISION=precision, SHRUNK_BY_TOKEN=shrunk_by_token,
+        BLOCK_R=BLOCK_R, DOT_PRECISION=precision, SHRUNK_BY_TOKEN=shrunk_by_token,
         EXPAND_FIRST=expand_first, HALF_TAIL=half_tail, PAIR_SHRINK=pair_shrink is not None, BLOCK_RS=BLOCK_RS,
         BLOCK_S=BLOCK_S, **config,
     )
@@ -709,7 +749,8 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
                                                        tiles=config.shrink_tiles("gate_up")))
         gate_up_lora["lora_B"] = lora.gate_up_B
     if (config.gluon and config.sorted_act and gate_up_bias is None and activation == "silu"
-            and moe_gemm_gluon.usable(x, w_gate_up, BM, gated=True)):
+            and moe_gemm_gluon.usable(x, w_gate_up, BM, gated=True)
+            and (not gate_up_lora or lora.gate_up_B.shape[3] <= moe_gemm_gluon.MAX_EXPAND_RANK)):
         gluon_lora = (gate_up_lora["shrunk"], gate_up_lora["lora_B"], gate_up_lora.get("shrunk_by_token", False)) \
             if gate_up_lora else None
         moe_gemm_gluon.moe_gate_up_gluon(x, w_gate_up, act, align, k, gluon_lora)

@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 BLOCK_M, BLOCK_K, NUM_BUFFERS, NUM_WARPS = 128, 64, 4, 8  # BLOCK_M: the alignment's block rows
 GATE_UP_BLOCK_N, DOWN_BLOCK_N = 128, 256  # gate_up holds two accumulators (gate, up)
+MAX_EXPAND_RANK = 32  # gate_up's LoRA operands borrow its output tile's shared memory: [4 * BM, rank] must fit
 
 
 def moe_gate_up_ref(x: torch.Tensor, w_gate_up: torch.Tensor, align, top_k: int) -> torch.Tensor:
@@ -66,11 +67,16 @@ def moe_down_ref(act: torch.Tensor, w_down: torch.Tensor, align, topk_weights: t
     return y.to(act.dtype)
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether t lives on a Hopper GPU (wgmma)."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
 def usable(a: torch.Tensor, w: torch.Tensor, block_m: int, gated: bool) -> bool:
     """Whether these kernels can run the GEMM of input a [rows, K] and expert weights w [E, N, K] (gated: gate_up,
     N = 2I): Gluon present, a Hopper GPU (wgmma), 16-bit operands TMA / cp.async can read (contiguous, 16-byte
     aligned), the alignment's 128-row blocks, whole tiles along the outputs and K, a pipeline's worth of steps."""
-    if not (HAVE_GLUON and a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9):
+    if not (HAVE_GLUON and on_hopper(a)):
         return False
     E, N, K = w.shape
     outputs, block_n = (N // 2, GATE_UP_BLOCK_N) if gated else (N, DOWN_BLOCK_N)

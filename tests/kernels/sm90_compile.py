@@ -49,16 +49,22 @@ class StandInHopper:
         return lambda *args, **kwargs: None
 
 
-def _layer(T: int, config_change: dict):
-    """One fused MoE layer at Qwen3-30B-A3B shapes with a per-expert LoRA (PEFT's layout), 4 adapter slots."""
+def _layer(T: int, config_change: dict, R: int = 16, shared_outer: bool = False, hopper: bool = False):
+    """One fused MoE layer at Qwen3-30B-A3B shapes with a rank-R LoRA, 4 adapter slots: per-expert factors (PEFT's
+    layout) or shared_outer (gate_up A and down B shared by all experts). hopper: the host checks see a Hopper GPU
+    (the Gluon kernels' conditions apply)."""
     from lora_eval.adapters.stack import ExpertLoRA
     from lora_eval.kernels import fused_moe as fm
+    from lora_eval.kernels import moe_gemm_gluon as mg
 
-    E, k, H, I, S, R = 128, 8, 2048, 768, 4, 16
+    if hopper:
+        mg.on_hopper = lambda t: True
+    E, k, H, I, S = 128, 8, 2048, 768, 4
     bf16 = dict(dtype=torch.bfloat16)
-    lora = ExpertLoRA(gate_up_A=torch.empty(S, E, 2 * R, H, **bf16), gate_up_B=torch.empty(S, E, 2 * I, 2 * R, **bf16),
-                      down_A=torch.empty(S, E, R, I, **bf16), down_B=torch.empty(S, E, H, R, **bf16),
-                      slots=frozenset(range(S)))
+    Ea = 1 if shared_outer else E
+    lora = ExpertLoRA(gate_up_A=torch.empty(S, Ea, 2 * R, H, **bf16),
+                      gate_up_B=torch.empty(S, E, 2 * I, 2 * R, **bf16), down_A=torch.empty(S, E, R, I, **bf16),
+                      down_B=torch.empty(S, Ea, H, R, **bf16), slots=frozenset(range(S)))
     config = replace(fm.pick_config(T, k, E), **config_change)
     x = torch.empty(T, H, **bf16)
     ids = torch.zeros(T, k, dtype=torch.long)
@@ -113,10 +119,19 @@ def _dense_consumers(T: int = 128):
     router_topk(torch.empty(T, 128, **bf16), 8, True, lora=(parts, torch.empty(S, 128, R, **bf16), *lora))
 
 
-CASES = {  # name: (tokens, MoeConfig changes)
-    "moe-4096": (4096, {}),  # gathered activation rows, TMA weights, half-height tails, the LoRA expand first
-    "moe-8192": (8192, {}),  # block-ordered activation through TMA, half-height tails, the LoRA expand first
-    "moe-8192-no-half-tail": (8192, {"half_tail": False}),  # a TMA activation without half-height tails
+CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
+    "moe-4096": (4096, {}, 16, False),  # gathered activation rows, TMA weights, half-height tails, expand first
+    "moe-8192": (8192, {}, 16, False),  # block-ordered activation through TMA, half-height tails, expand first
+    "moe-8192-no-half-tail": (8192, {"half_tail": False}, 16, False),  # a TMA activation without half tails
+    # rank 32 (gate and up: 64) overflowed shared memory before gemm_stages; the shared-outer down GEMM's pair
+    # shrink with 4 slots x 32 side by side too
+    "moe-64-rank-32": (64, {}, 32, False),
+    "moe-4096-rank-32-shared-outer": (4096, {}, 32, True),
+    "moe-8192-rank-32": (8192, {}, 32, False),
+}
+HOPPER_CASES = {  # name: LoRA rank; the 8192-token layer with the Gluon kernels' conditions
+    "moe-8192-gluon-rank-16": 16,  # gate_up (gate and up: rank 32) in Gluon
+    "moe-8192-gluon-rank-32": 32,  # gate and up: 64, beyond MAX_EXPAND_RANK: gate_up stays in moe_gemm
 }
 
 if __name__ == "__main__":
@@ -125,6 +140,8 @@ if __name__ == "__main__":
         _gluon_gemms(8192)
     elif sys.argv[1] == "dense-lora-partials":
         _dense_consumers()
+    elif sys.argv[1] in HOPPER_CASES:
+        _layer(8192, {}, R=HOPPER_CASES[sys.argv[1]], hopper=True)
     else:
-        tokens, change = CASES[sys.argv[1]]
-        _layer(tokens, change)
+        tokens, change, rank, shared_outer = CASES[sys.argv[1]]
+        _layer(tokens, change, rank, shared_outer)

@@ -382,6 +382,24 @@ def test_gluon_gemms_equal_moe_gemm(T):
         assert torch.equal(act[:padded], act_triton[:padded])
 
 
+def test_gemm_stages_fit_the_lora_operands_in_shared_memory():
+    """The grouped GEMM gives up pipeline stages for the LoRA expand's operands (and the pair shrink's tiles) where
+    the table's depth would overflow an H100's shared memory, and refuses a rank no depth fits, by name (the
+    numbers behind it: tests/kernels/test_sm90_compile.py compiles these configurations for sm_90)."""
+    from lora_eval.kernels.fused_moe import GEMM_SMEM, gemm_stages
+
+    large = pick_config(4096, 8, 128)
+    gate_up, down = large.tiles("gate_up"), large.tiles("down")
+    assert gemm_stages(gate_up, True, 32, 0, 2) == gate_up["num_stages"] == 4  # rank 16 (gate and up: 32)
+    assert gemm_stages(gate_up, True, 64, 0, 2) == 3  # rank 32
+    assert gemm_stages(down, False, 0, 64, 2) == 4 and gemm_stages(down, False, 0, 128, 2) == 3  # pair shrink
+    with pytest.raises(ValueError, match=r"rank 128 on gate_up .* up to 64 fits"):
+        gemm_stages(gate_up, True, 128, 0, 2)  # rank 64 at 128-row blocks
+    small = pick_config(64, 8, 128).tiles("gate_up")
+    assert gemm_stages(small, True, 128, 0, 2) == 3  # 16-row blocks still take rank 64
+    assert GEMM_SMEM == 227 * 1024
+
+
 def test_pick_config_by_pairs_per_expert():
     """Small batches keep pointer loads; large ones take TMA weights and the block-ordered activation; float32
     halves the K step and the pipeline of both GEMMs (4-byte tiles)."""

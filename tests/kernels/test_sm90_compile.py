@@ -25,12 +25,15 @@ def compile_case(case: str) -> dict[str, int]:
     return {name: int(size) for name, size in re.findall(r"compiled (\w+): (\d+) bytes", run.stdout)}
 
 
-@pytest.mark.parametrize("case", ["moe-4096", "moe-8192", "moe-8192-no-half-tail"])
+@pytest.mark.parametrize("case", ["moe-4096", "moe-8192", "moe-8192-no-half-tail", "moe-64-rank-32",
+                                  "moe-4096-rank-32-shared-outer", "moe-8192-rank-32"])
 def test_fused_moe_compiles_for_hopper(case):
     compiled = compile_case(case)
-    # every launch of a LoRA layer: alignment, both shrinks, both GEMMs, the sum over k
-    assert set(compiled) == {"moe_count_kernel", "moe_place_kernel", "moe_lora_shrink_kernel", "moe_gemm_kernel",
-                             "moe_sum_kernel"}, compiled
+    # every launch of a LoRA layer: alignment, the shrinks (per block; shared-outer: per token, the down shrink
+    # inside the down GEMM), both GEMMs, the sum over k
+    shrinks = {"_shrink_kernel"} if "shared-outer" in case else {"moe_lora_shrink_kernel"}
+    assert set(compiled) == {"moe_count_kernel", "moe_place_kernel", "moe_gemm_kernel", "moe_sum_kernel"} | shrinks, \
+        compiled
     assert compiled["moe_gemm_kernel"] > 100_000  # the pipelined GEMM's stages (a real sm_90 compile)
 
 
@@ -47,3 +50,12 @@ def test_dense_lora_consumers_compile_with_the_most_partials():
     the slot loop they once needed 274 KB of shared memory at 32 partials)."""
     compiled = compile_case("dense-lora-partials")
     assert set(compiled) == {"_expand_kernel", "_residual_add_kernel", "head_norm_rope_kernel", "router_topk_kernel"}
+
+
+@pytest.mark.parametrize("case,gluon_gate_up", [("moe-8192-gluon-rank-16", True), ("moe-8192-gluon-rank-32", False)])
+def test_fused_moe_routes_gate_up_to_gluon_up_to_its_rank(case, gluon_gate_up):
+    """On Hopper from 8192 tokens: gate_up's LoRA expand runs in the Gluon kernel up to MAX_EXPAND_RANK (gate and up
+    ranks together), in moe_gemm above it; the down GEMM with LoRA work stays in moe_gemm either way."""
+    compiled = compile_case(case)
+    assert ("moe_gate_up_kernel" in compiled) == gluon_gate_up, compiled
+    assert "moe_gemm_kernel" in compiled and "moe_down_kernel" not in compiled
