@@ -4,7 +4,8 @@ moe_gemm on the same alignment and block-ordered activation (MoeConfig.sorted_ac
     python benchmarks/gluon_moe_gemm.py [--tokens 4096,8192,16384]
 
 Per size and GEMM: CUDA-graph replay times (median) of moe_gemm with and without half-height tail blocks and of the
-Gluon kernel, and whether each output equals moe_gemm's bit for bit (over the padded rows; relative error otherwise).
+Gluon kernel, and whether each output equals moe_gemm's bit for bit (over the padded rows; relative error otherwise);
+then the down GEMM with the pair shrink (moe_layer.py's shared-outer LoRA layer's down GEMM) both ways.
 """
 
 from __future__ import annotations
@@ -67,7 +68,26 @@ def main():
         flops = 2 * T * k * H * I
         report("down moe_gemm, half-height tails", down(y["half"], True), y_ref, T * k, flops)
         report("down moe_gemm", down(y["full"], False), y_ref, T * k, flops)
-        report("down gluon", lambda: mg.moe_down_gluon(ref, w_d, y["gluon"], align, weights), y_ref, T * k, flops)
+        report("down gluon", lambda: mg.moe_down_gluon(ref, w_d, y["gluon"], align, k, weights), y_ref, T * k, flops)
+        # with the pair shrink (the down LoRA shrink of a down B shared by all experts): 4 adapters, every token
+        # under one of them, rank 16 side by side in N tile 0 of each block
+        S, RS = 4, 16
+        slotted = moe_align(ids, E, BM, torch.randint(0, S, (T,), generator=g, device="cuda"), S)
+        act_s = mg.moe_gate_up_gluon(x, w_gu, torch.empty_like(ref), slotted, k)
+        la = (torch.randn(S, E, RS, I, generator=g, device="cuda") / I**0.5).to(torch.bfloat16)
+        shrunk = {name: torch.empty(T * k, RS, dtype=torch.bfloat16, device="cuda") for name in ("half", "gluon")}
+
+        def down_shrink(out):
+            return lambda: fm.moe_gemm(act_s, w_d, out, slotted, gated=False, rows_are_tokens=False, top_k=k,
+                                       topk_weights=weights, config=config.tiles("down"), w_tma=True, a_sorted=True,
+                                       a_tma=True, half_tail=True, pair_shrink=(la, shrunk["half"]))
+
+        y_ref = down_shrink(y["full"])().clone()
+        report("down moe_gemm + pair shrink, half tails", down_shrink(y["half"]), y_ref, T * k, flops)
+        report("down gluon + pair shrink", lambda: mg.moe_down_gluon(
+            act_s, w_d, y["gluon"], slotted, k, weights, pair_shrink=(la, shrunk["gluon"])), y_ref, T * k, flops)
+        same = torch.equal(shrunk["gluon"], shrunk["half"])  # every pair has an adapter: every row written
+        print(f"  pair shrink gluon vs moe_gemm: {'bit for bit' if same else 'DIFFERENT'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ VARIANTS = {  # name: settings (the switches measured in the fifth session, BENC
     "expand after the main loop": dict(expand_first=False),
     "down shrink kernel": dict(pair_shrink=False),
     "base GEMMs in Triton (no Gluon)": dict(gluon=False),
+    "Gluon GEMMs (block-ordered activation)": dict(sorted_act=True, gluon=True),
 }
 
 

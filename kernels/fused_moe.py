@@ -113,9 +113,8 @@ class MoeConfig:
     tiles it loads anyway (else a separate shrink kernel reads the activation again). `shrink`: by GEMM ("gate_up",
     "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried).
     `gluon`: the GEMMs run as persistent Gluon kernels (kernels/moe_gemm_gluon.py) where they can (a Hopper GPU, the
-    block-ordered activation; gate_up: SiLU gate, no bias, its LoRA expand included up to rank 32 (gate and up
-    together); down: no LoRA work, no bias),
-    else moe_gemm."""
+    block-ordered activation, no bias; gate_up: SiLU gate, its LoRA expand up to rank 32 (gate and up together);
+    down: its LoRA expand up to rank 32, or the pair shrink with slots x rank up to 64), else moe_gemm."""
     block_m: int
     gate_up: dict
     down: dict
@@ -140,8 +139,10 @@ def _tiles(n, k, warps, stages, group_m=8):
 
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
 # shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
-# 2048 (gate_up); the block-ordered activation from 8192 on, with the base GEMMs as persistent Gluon kernels there
-# (gate_up 809 against 843 us, down 418 against 453 at 8192 tokens, benchmarks/gluon_moe_gemm.py). A/B in one
+# 2048 (gate_up); the block-ordered activation from 8192 on, with the GEMMs as persistent Gluon kernels there
+# (gate_up 809 against 843 us, down 407 against 445 at 8192 tokens, benchmarks/gluon_moe_gemm.py; the layer with
+# LoRA 1.427 / 1.467 ms against 1.477 / 1.540 in Triton, 4 adapters shared-outer / 1 per-expert). The Gluon GEMMs at
+# 4096 tokens: base 3% faster, LoRA 1-2% (overhead 1.104 against 1.080), not taken; at 2048 slower. A/B in one
 # process (benchmarks/moe_variants.py):
 # the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
 # 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
@@ -776,9 +777,12 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
             shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
                                      a_sorted=config.sorted_act, tiles=config.shrink_tiles("down"))  # [blocks * BM, R]
             down_lora = dict(lora_B=lora.down_B, shrunk=shrunk)
-    if (config.gluon and config.sorted_act and not down_lora and down_bias is None
-            and moe_gemm_gluon.usable(act, w_down, BM, gated=False)):
-        moe_gemm_gluon.moe_down_gluon(act, w_down, y, align, topk_weights.reshape(-1))
+    pair_shrink = down_lora.get("pair_shrink")
+    expand = (down_lora["shrunk"], down_lora["lora_B"]) if "lora_B" in down_lora else None
+    if (config.gluon and config.sorted_act and down_bias is None and moe_gemm_gluon.usable(act, w_down, BM, gated=False)
+            and (pair_shrink is None or moe_gemm_gluon.pair_shrink_usable(act, pair_shrink[0]))
+            and (expand is None or expand[1].shape[3] <= moe_gemm_gluon.MAX_EXPAND_RANK)):
+        moe_gemm_gluon.moe_down_gluon(act, w_down, y, align, k, topk_weights.reshape(-1), expand, pair_shrink)
     else:
         moe_gemm(act, w_down, y, align, gated=False, rows_are_tokens=False, top_k=k,
                  topk_weights=topk_weights.reshape(-1), bias=down_bias, config=config.tiles("down"),

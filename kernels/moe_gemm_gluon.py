@@ -1,21 +1,25 @@
 """Fused MoE's two grouped GEMMs as persistent Gluon kernels (Hopper), used when the activation is in block order
-(MoeConfig.sorted_act, from 8192 tokens on): gate_up with or without its LoRA expand, down without LoRA work.
+(MoeConfig.sorted_act, from 8192 tokens on), with their LoRA work: gate_up's expand, down's expand (per-expert B)
+or pair shrink (B shared by all experts).
 
 Shapes (BM = 128, the alignment's block rows; P = T * k pairs):
   gate_up: x [T, H], w_gate_up [E, 2I, H] (gate rows, then up rows) -> act [NB * BM, I] in block order,
            act[row] = silu(x[token] @ Wg[e]^T + d_g) * (x[token] @ Wu[e]^T + d_u)   (every row of a block;
            padding rows 0), LoRA delta [d_g, d_u] = shrunk[row or token] @ B[slot, e]^T (rows of no adapter: 0)
   down:    act [NB * BM, I], w_down [E, H, I], topk_weights [P] -> y [P, H] by pair id,
-           y[pair] = topk_weights[pair] * (act[row] @ Wd[e]^T)
+           y[pair] = topk_weights[pair] * (act[row] @ Wd[e]^T + shrunk[row] @ B[slot, e]^T);
+           pair shrink: out [P, RS], out[pair] = act[row] @ A[slot, e]^T (moe_sum expands it with the shared B)
 fp32 accumulation, one rounding: moe_gemm's numbers, bit for bit on an H100.
 One CTA per SM loops over (block, N tile) tiles, a block's N tiles adjacent. Operand tiles fill a ring of
 NUM_BUFFERS shared-memory buffers — weights (and down's activation) through TMA with an mbarrier per buffer,
 gate_up's gathered token rows through cp.async (one commit group per step) — async wgmma consumes them, and the
-next tile's first loads are issued while the current tile's last MMAs drain. Epilogues: gate_up's activation tile
-leaves through a TMA store that overlaps the next tile; down's routing-weighted rows go out as 16-byte rows by pair
-id (padding rows skipped).
+next tile's first loads are issued while the current tile's last MMAs drain. LoRA expands start the accumulators
+(their operands borrow shared memory that is free at the tile's start); down's pair shrink is one more wgmma per
+step on N tile 0 of a block, its LoRA A rows riding in the ring. Epilogues: gate_up's activation tile leaves through
+a TMA store that overlaps the next tile; down's routing-weighted rows go out as 16-byte rows by pair id (padding rows
+skipped), through the weight buffer the tile's last step leaves free.
 H100, Qwen3-30B-A3B shapes (benchmarks/gluon_moe_gemm.py, BENCHMARKS.md section 1): gate_up 809 against moe_gemm's
-843 us, down 418 against 453 at 8192 tokens. Gluon does not run in the Triton interpreter: moe_gemm is the
+843 us, down 407 against 445 at 8192 tokens; down with the pair shrink 427 against 458. Gluon does not run in the Triton interpreter: moe_gemm is the
 CPU-tested path; the GPU tests check these kernels against it bit for bit and against the torch references here,
 and the CPU suite compiles them for sm_90 (tests/kernels/test_sm90_compile.py).
 """
@@ -31,7 +35,7 @@ try:  # Gluon ships with triton 3.6 (triton.experimental); older or partial inst
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
@@ -40,6 +44,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 BLOCK_M, BLOCK_K, NUM_BUFFERS, NUM_WARPS = 128, 64, 4, 8  # BLOCK_M: the alignment's block rows
 GATE_UP_BLOCK_N, DOWN_BLOCK_N = 128, 256  # gate_up holds two accumulators (gate, up)
 MAX_EXPAND_RANK = 32  # gate_up's LoRA operands borrow its output tile's shared memory: [4 * BM, rank] must fit
+PAIR_SHRINK_WIDE = 64  # down's pair shrink: adapter slots x padded rank side by side (one wgmma's N)
 
 
 def moe_gate_up_ref(x: torch.Tensor, w_gate_up: torch.Tensor, align, top_k: int) -> torch.Tensor:
@@ -85,6 +90,14 @@ def usable(a: torch.Tensor, w: torch.Tensor, block_m: int, gated: bool) -> bool:
             and a.is_contiguous() and w.is_contiguous() and tma_ready(a) and tma_ready(w))
 
 
+def pair_shrink_usable(act: torch.Tensor, la: torch.Tensor) -> bool:
+    """Whether the down kernel can compute the pair shrink act @ la[slot, e]^T (la [S, Ea, RS, K]): la contiguous in
+    act's dtype (a TMA descriptor of its rows), its slots x padded rank within PAIR_SHRINK_WIDE."""
+    S, _, RS, _ = la.shape
+    return (la.dtype == act.dtype and la.is_contiguous() and tma_ready(la)
+            and S * max(16, 1 << (RS - 1).bit_length()) <= PAIR_SHRINK_WIDE)
+
+
 if HAVE_GLUON:
 
     @gluon.constexpr_function
@@ -112,92 +125,223 @@ if HAVE_GLUON:
         return num_tiles, first, step, gl.cdiv(gl.maximum(num_tiles - first, 0), step)
 
     @gluon.jit
-    def _down_loads(producer, a_desc, w_desc, off_m, w_row, k, bars, a_bufs, w_bufs, NUM_BUFFERS: gl.constexpr,
-                    pred=True):
-        """TMA loads of step k's act tile [BM, BK] and weight tile [BN, BK] into buffer producer % NUM_BUFFERS."""
+    def _down_loads(producer, a_desc, w_desc, la_desc, off_m, w_row, la_row, shrink, k, bars, a_bufs, w_bufs,
+                    la_bufs, NUM_BUFFERS: gl.constexpr, PAIR_SHRINK: gl.constexpr, pred=True):
+        """TMA loads of step k's act tile [BM, BK] and weight tile [BN, BK] into buffer producer % NUM_BUFFERS; on a
+        pair-shrink tile also the LoRA A rows [slots, BLOCK_RS, BK] of the tile's expert (la_row: its first row)."""
         index = producer % NUM_BUFFERS
         bar = bars.index(index)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        if PAIR_SHRINK:  # (a box past the tensor, zero-filled, measured slower than none: 484 against 458 us)
+            mbarrier.expect(bar, nbytes, pred=pred & ~shrink)
+            mbarrier.expect(bar, nbytes + la_desc.block_type.nbytes, pred=pred & shrink)
+            tma.async_copy_global_to_shared(la_desc, [0, la_row, k], bar, la_bufs.index(index), pred & shrink)
+        else:
+            mbarrier.expect(bar, nbytes, pred=pred)
         tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(index), pred)
         tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(index), pred)
         return producer + 1
 
     @gluon.jit
-    def _down_mma(consumer, acc, use_acc, bars, a_bufs, w_bufs, NUM_BUFFERS: gl.constexpr):
-        """Wait for buffer consumer % NUM_BUFFERS, retire the previous wgmma (its buffer is refilled next), issue
-        this step's async wgmma acc += act @ w^T."""
+    def _down_mma(consumer, acc, acc_s, use_acc, shrink, bars, a_bufs, w_bufs, la_bufs, NUM_BUFFERS: gl.constexpr,
+                  PAIR_SHRINK: gl.constexpr):
+        """Wait for buffer consumer % NUM_BUFFERS, retire the previous wgmmas (their buffer is refilled next), issue
+        this step's async wgmma acc += act @ w^T and, on a pair-shrink tile, acc_s += act @ la^T."""
         index = consumer % NUM_BUFFERS
         mbarrier.wait(bars.index(index), (consumer // NUM_BUFFERS) & 1)
-        acc = warpgroup_mma_wait(0, (acc, ))
-        acc = warpgroup_mma(a_bufs.index(index), w_bufs.index(index).permute((1, 0)), acc, is_async=True,
-                            use_acc=use_acc)
-        return consumer + 1, acc
+        a = a_bufs.index(index)
+        if PAIR_SHRINK:
+            acc, acc_s = warpgroup_mma_wait(0, (acc, acc_s))
+            acc = warpgroup_mma(a, w_bufs.index(index).permute((1, 0)), acc, is_async=True, use_acc=use_acc)
+            acc_s = warpgroup_mma_init(acc_s)  # the type an async wgmma gives, whether or not one is issued
+            if shrink:
+                la = la_bufs.index(index)._reinterpret(a.dtype, [acc_s.type.tensor_type.shape[1], a.shape[1]],
+                                                      a_bufs.layout)  # [slots, BLOCK_RS, BK] as [WIDE, BK]
+                acc_s = warpgroup_mma(a, la.permute((1, 0)), acc_s, is_async=True, use_acc=use_acc)
+        else:
+            acc = warpgroup_mma_wait(0, (acc, ))
+            acc = warpgroup_mma(a, w_bufs.index(index).permute((1, 0)), acc, is_async=True, use_acc=use_acc)
+        return consumer + 1, acc, acc_s
 
     @gluon.jit
-    def _down_tile(t, num_tiles, block_expert_ptr, NUM_N: gl.constexpr, N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """(act row, row of the [E * N, K] weight view, block, N tile) of tile t (a block's N tiles adjacent); a
+    def _down_tile(t, num_tiles, block_expert_ptr, block_hi_ptr, la_expert_rows, NUM_N: gl.constexpr,
+                   N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAIR_SHRINK: gl.constexpr):
+        """(act row, row of the [E * N, K] weight view, block, N tile, expert, pair shrink, the expert's first LoRA
+        A row) of tile t. A block's N tiles are adjacent, their order rotated by the block index so that N tile 0
+        (the one that also computes the pair shrink of a block with adapter rows) falls to every program in turn; a
         t past the last tile reads expert 0 (its loads are predicated off)."""
         pid_m = t // NUM_N
-        pid_n = t % NUM_N
-        e = gl.load(block_expert_ptr + pid_m, mask=t < num_tiles, other=0)
-        return pid_m * BLOCK_M, e * N + pid_n * BLOCK_N, pid_m, pid_n
+        pid_n = (t + pid_m) % NUM_N
+        live = t < num_tiles
+        e = gl.load(block_expert_ptr + pid_m, mask=live, other=0)
+        if PAIR_SHRINK:
+            shrink = (pid_n == 0) & (gl.load(block_hi_ptr + pid_m, mask=live, other=-1) >= 0)
+        else:
+            shrink = pid_n < 0
+        return pid_m * BLOCK_M, e * N + pid_n * BLOCK_N, pid_m, pid_n, e, shrink, e * la_expert_rows
 
     @gluon.jit
-    def moe_down_kernel(a_desc, w_desc, y_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, weight_ptr, P,
-                        stride_ym, N: gl.constexpr, K: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                        num_warps: gl.constexpr):
+    def _pair_shrink_store(acc_s, tile_m, sorted_pairs_ptr, token_slots_ptr, out_ptr, P, top_k, RS, stride_om,
+                           BLOCK_M: gl.constexpr, BLOCK_RS: gl.constexpr, WIDE: gl.constexpr, layout: gl.constexpr):
+        """Each row's own slot's columns of acc_s [BM, WIDE] (the shrink of every slot side by side) into out
+        [P, RS] by pair id: one column per output element, so no sum over slots; rows of no adapter are not
+        written (moe_sum reads no shrink for them)."""
+        offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
+        offs_c = gl.arange(0, WIDE, layout=gl.SliceLayout(0, layout))  # [WIDE]
+        pair = gl.load(sorted_pairs_ptr + offs_m)  # [BM]
+        valid = pair < P
+        slot = gl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)  # [BM]
+        c_rank = offs_c % BLOCK_RS
+        mine = gl.expand_dims(slot, 1) == gl.expand_dims(offs_c // BLOCK_RS, 0)  # [BM, WIDE]
+        ptrs = out_ptr + gl.expand_dims(pair.to(gl.int64) * stride_om, 1) + gl.expand_dims(c_rank, 0)
+        gl.store(ptrs, acc_s.to(out_ptr.dtype.element_ty), mask=mine & gl.expand_dims(c_rank < RS, 0)
+                 & gl.expand_dims(valid, 1))
+
+    @gluon.jit
+    def _down_expand(acc, lora_smem, tile_m, tile_n, e, lo, hi, sorted_pairs_ptr, token_slots_ptr, shrunk_ptr, lb_ptr,
+                     P, top_k, R, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+        """The tile's LoRA delta as the accumulator's starting value (moe_gemm's expand_first): for each adapter
+        slot s of the block, its rows' shrink (others 0) @ B[s, e]^T, through lora_smem ([2 * BN, BR]: B's rows of
+        the N tile, then the shrink rows by block row)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
+        offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
+        offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BN]
+        offs_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))  # [BR]
+        r_mask = gl.expand_dims(offs_r < R, 0)  # [1, BR]
+        pair = gl.load(sorted_pairs_ptr + offs_m)  # [BM]
+        valid = pair < P
+        slot = gl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)  # [BM]
+        s_ptrs = shrunk_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_sm, 1) + gl.expand_dims(offs_r, 0)
+        b_ptrs = lb_ptr + e.to(gl.int64) * stride_lbe + gl.expand_dims(offs_n * stride_lbn, 1) \
+            + gl.expand_dims(offs_r * stride_lbr, 0)  # [BN, BR] at slot 0
+        for s in range(lo, hi + 1):  # a block nearly always holds one slot
+            shrunk = gl.load(s_ptrs, mask=gl.expand_dims(valid & (slot == s), 1) & r_mask, other=0.0)
+            b = gl.load(b_ptrs + s * stride_lbs, mask=r_mask, other=0.0)
+            gl.thread_barrier()  # both warpgroups' MMAs of the previous slot are done with lora_smem
+            lora_smem.slice(0, BLOCK_N).store(b)
+            lora_smem.slice(BLOCK_N, BLOCK_M).store(shrunk.to(lora_smem.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(lora_smem.slice(BLOCK_N, BLOCK_M), lora_smem.slice(0, BLOCK_N).permute((1, 0)), acc,
+                                is_async=True, use_acc=s > lo)
+            acc = warpgroup_mma_wait(0, (acc, ))
+        return acc
+
+    @gluon.jit
+    def _staged_store(half, stage, ptrs, row_mask, layout: gl.constexpr):
+        """Store half [BM, BN / 2] to global memory in 16-byte rows through shared memory stage."""
+        stage.store(half)
+        gl.thread_barrier()
+        gl.store(ptrs, stage.load(layout), mask=row_mask)
+        gl.thread_barrier()  # every thread's reads done before the buffer is written again
+
+    @gluon.jit
+    def moe_down_kernel(a_desc, w_desc, la_desc, y_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+                        weight_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, pair_shrunk_ptr, shrunk_ptr, lb_ptr,
+                        P, top_k, RS, R, stride_ym, la_expert_rows, stride_psm, stride_sm, stride_lbs, stride_lbe,
+                        stride_lbn, stride_lbr, N: gl.constexpr, K: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                        PAIR_SHRINK: gl.constexpr, WIDE: gl.constexpr, HAS_LORA: gl.constexpr,
+                        BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         NUM_N: gl.constexpr = N // BLOCK_N
         dtype: gl.constexpr = a_desc.dtype
         acc_layout: gl.constexpr = _wgmma_layout(BLOCK_M, BLOCK_N, num_warps)
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # 16-byte rows
+        s_layout: gl.constexpr = _wgmma_layout(BLOCK_M, WIDE, num_warps)
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])  # 16-byte rows
+        stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], dtype)
         gl.static_assert(K // BLOCK_K >= NUM_BUFFERS - 1, "the pipeline needs NUM_BUFFERS - 1 steps per tile")
+        gl.static_assert(BLOCK_M * BLOCK_N // 2 <= BLOCK_N * BLOCK_K, "an epilogue half fits a weight buffer")
+        gl.static_assert(2 * BLOCK_N * BLOCK_R <= BLOCK_N * BLOCK_K, "the LoRA operands fit a weight buffer")
+        gl.static_assert(not (HAS_LORA and PAIR_SHRINK), "a per-expert down B, or the pair shrink of a shared one")
+        lora_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_N, BLOCK_R], dtype)
 
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
+        if PAIR_SHRINK:  # every slot's LoRA A rows side by side: [slots, BLOCK_RS, BK] = [WIDE, BK] per step
+            la_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + la_desc.block_type.shape, la_desc.layout)
+            BLOCK_RS: gl.constexpr = la_desc.block_type.shape[1]
+            gl.static_assert(la_desc.block_type.shape[0] * BLOCK_RS == WIDE, "the slots side by side are WIDE")
+        else:
+            la_bufs = a_bufs
+            BLOCK_RS: gl.constexpr = 16
         bars = _ring_barriers(NUM_BUFFERS)
         num_tiles, first, step, my_tiles = _schedule(num_padded_ptr, BLOCK_M, NUM_N)
         producer = 0
         consumer = 0
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)  # [BM, BN]
+        acc_s = gl.zeros((BLOCK_M, WIDE), dtype=gl.float32, layout=s_layout)  # [BM, WIDE] the pair shrink
 
         # the first tile's first NUM_BUFFERS - 1 steps
-        off_m, w_row, pid_m, pid_n = _down_tile(first, num_tiles, block_expert_ptr, NUM_N, N, BLOCK_M, BLOCK_N)
+        off_m, w_row, pid_m, pid_n, e, shrink, la_row = _down_tile(first, num_tiles, block_expert_ptr, block_hi_ptr,
+                                                                   la_expert_rows, NUM_N, N, BLOCK_M, BLOCK_N,
+                                                                   PAIR_SHRINK)
         for kk in gl.static_range(0, BLOCK_K * (NUM_BUFFERS - 1), BLOCK_K):
-            producer = _down_loads(producer, a_desc, w_desc, off_m, w_row, kk, bars, a_bufs, w_bufs, NUM_BUFFERS,
-                                    my_tiles > 0)
+            producer = _down_loads(producer, a_desc, w_desc, la_desc, off_m, w_row, la_row, shrink, kk, bars,
+                                    a_bufs, w_bufs, la_bufs, NUM_BUFFERS, PAIR_SHRINK, my_tiles > 0)
         for idx in range(my_tiles):
-            consumer, acc = _down_mma(consumer, acc, False, bars, a_bufs, w_bufs, NUM_BUFFERS)
+            if HAS_LORA:  # the block's LoRA delta starts the accumulator (rows of no adapter start from 0); its
+                # operands go through the weight buffer the next load fills (free since the last tile's epilogue)
+                lo = gl.maximum(gl.load(block_lo_ptr + pid_m), 0)
+                hi = gl.load(block_hi_ptr + pid_m)
+                lora_smem = w_bufs.index(producer % NUM_BUFFERS)._reinterpret(dtype, [2 * BLOCK_N, BLOCK_R],
+                                                                              lora_layout)
+                acc = _down_expand(acc, lora_smem, pid_m, pid_n, e, lo, hi, sorted_pairs_ptr, token_slots_ptr,
+                                   shrunk_ptr, lb_ptr, P, top_k, R, stride_sm, stride_lbs, stride_lbe, stride_lbn,
+                                   stride_lbr, BLOCK_M, BLOCK_N, BLOCK_R, num_warps)
+                first_use_acc = hi >= lo
+            else:
+                first_use_acc = False
+            consumer, acc, acc_s = _down_mma(consumer, acc, acc_s, first_use_acc, shrink, bars, a_bufs, w_bufs,
+                                             la_bufs, NUM_BUFFERS, PAIR_SHRINK)
             for k in range(BLOCK_K * (NUM_BUFFERS - 1), K, BLOCK_K):
-                producer = _down_loads(producer, a_desc, w_desc, off_m, w_row, k, bars, a_bufs, w_bufs,
-                                        NUM_BUFFERS)
-                consumer, acc = _down_mma(consumer, acc, True, bars, a_bufs, w_bufs, NUM_BUFFERS)
+                producer = _down_loads(producer, a_desc, w_desc, la_desc, off_m, w_row, la_row, shrink, k, bars,
+                                        a_bufs, w_bufs, la_bufs, NUM_BUFFERS, PAIR_SHRINK)
+                consumer, acc, acc_s = _down_mma(consumer, acc, acc_s, True, shrink, bars, a_bufs, w_bufs, la_bufs,
+                                                 NUM_BUFFERS, PAIR_SHRINK)
             tile_m = pid_m
             tile_n = pid_n
+            tile_shrink = shrink
             # the next tile's first steps load while this tile's last NUM_BUFFERS - 2 MMAs issue
             has_next = idx + 1 < my_tiles
-            off_m, w_row, pid_m, pid_n = _down_tile(first + (idx + 1) * step, num_tiles, block_expert_ptr, NUM_N, N,
-                                               BLOCK_M, BLOCK_N)
+            off_m, w_row, pid_m, pid_n, e, shrink, la_row = _down_tile(first + (idx + 1) * step, num_tiles,
+                                                                       block_expert_ptr, block_hi_ptr,
+                                                                       la_expert_rows, NUM_N, N, BLOCK_M, BLOCK_N,
+                                                                       PAIR_SHRINK)
             for kk in gl.static_range(0, BLOCK_K * (NUM_BUFFERS - 2), BLOCK_K):
-                producer = _down_loads(producer, a_desc, w_desc, off_m, w_row, kk, bars, a_bufs, w_bufs,
-                                        NUM_BUFFERS, has_next)
-                consumer, acc = _down_mma(consumer, acc, True, bars, a_bufs, w_bufs, NUM_BUFFERS)
-            producer = _down_loads(producer, a_desc, w_desc, off_m, w_row, BLOCK_K * (NUM_BUFFERS - 2), bars,
-                                    a_bufs, w_bufs, NUM_BUFFERS, has_next)
-            acc = warpgroup_mma_wait(0, (acc, ))
-            # epilogue: the routing weight in the accumulator's layout (one rounding), rows stored by pair id
+                producer = _down_loads(producer, a_desc, w_desc, la_desc, off_m, w_row, la_row, shrink, kk, bars,
+                                        a_bufs, w_bufs, la_bufs, NUM_BUFFERS, PAIR_SHRINK, has_next)
+                consumer, acc, acc_s = _down_mma(consumer, acc, acc_s, True, tile_shrink, bars, a_bufs, w_bufs,
+                                                 la_bufs, NUM_BUFFERS, PAIR_SHRINK)
+            producer = _down_loads(producer, a_desc, w_desc, la_desc, off_m, w_row, la_row, shrink,
+                                    BLOCK_K * (NUM_BUFFERS - 2), bars, a_bufs, w_bufs, la_bufs, NUM_BUFFERS,
+                                    PAIR_SHRINK, has_next)
+            if PAIR_SHRINK:
+                acc, acc_s = warpgroup_mma_wait(0, (acc, acc_s))
+                if tile_shrink:
+                    _pair_shrink_store(acc_s, tile_m, sorted_pairs_ptr, token_slots_ptr, pair_shrunk_ptr, P, top_k,
+                                       RS, stride_psm, BLOCK_M, BLOCK_RS, WIDE, s_layout)
+            else:
+                acc = warpgroup_mma_wait(0, (acc, ))
+            # epilogue: the routing weight in the accumulator's layout (one rounding), then the rows by pair id in
+            # two column halves through the weight buffer of this tile's last step (free until the next tile's
+            # fourth load): 16-byte row stores, no layout-conversion scratch beside the ring
             rows = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))  # [BM]
             acc_pair = gl.load(sorted_pairs_ptr + rows)  # [BM]
             w = gl.load(weight_ptr + acc_pair, mask=acc_pair < P, other=0.0).to(gl.float32)  # [BM]
-            out = gl.convert_layout((acc * gl.expand_dims(w, 1)).to(dtype), out_layout)  # [BM, BN]
+            out = (acc * gl.expand_dims(w, 1)).to(dtype)  # [BM, BN]
+            left, right = gl.split(gl.permute(gl.reshape(out, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+            stage = w_bufs.index((consumer - 1) % NUM_BUFFERS)._reinterpret(dtype, [BLOCK_M, BLOCK_N // 2],
+                                                                             stage_layout)
             offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))  # [BM]
-            offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))  # [BN]
             pair = gl.load(sorted_pairs_ptr + offs_m)  # [BM]
+            offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(0, out_layout))  # [BN / 2]
             ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_ym, 1) + gl.expand_dims(offs_n, 0)
-            gl.store(ptrs, out, mask=gl.expand_dims(pair < P, 1))
+            _staged_store(left, stage, ptrs, gl.expand_dims(pair < P, 1), out_layout)
+            _staged_store(right, stage, ptrs + BLOCK_N // 2, gl.expand_dims(pair < P, 1), out_layout)
+            fence_async_shared()  # the buffer's next writer is a TMA load
         for i in gl.static_range(NUM_BUFFERS):
             mbarrier.invalidate(bars.index(i))
 
@@ -276,6 +420,7 @@ if HAVE_GLUON:
             shrunk = shrunk.to(lora_smem.dtype)  # a float32 shrink (dense_lora_shrink's) rounds as moe_gemm's does
             b_gate = gl.load(b_ptrs + s * stride_lbs, mask=r_mask, other=0.0)
             b_up = gl.load(b_ptrs + s * stride_lbs + I * stride_lbn, mask=r_mask, other=0.0)
+            gl.thread_barrier()  # both warpgroups' MMAs of the previous slot are done with lora_smem
             lora_smem.slice(0, BLOCK_M).store(shrunk)
             lora_smem.slice(BLOCK_M, BLOCK_N).store(b_gate)
             lora_smem.slice(BLOCK_M + BLOCK_N, BLOCK_N).store(b_up)
@@ -383,10 +528,16 @@ def _dtype(t: torch.Tensor):
     return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
 
 
-def moe_down_gluon(act: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, align,
-                   topk_weights: torch.Tensor) -> torch.Tensor:
-    """Launch the persistent down GEMM (module notes; needs usable(act, w_down, align.block_m, gated=False)). The
-    grid comes from host-known sizes only, so the launch can be captured in a CUDA graph."""
+def moe_down_gluon(act: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, align, top_k: int,
+                   topk_weights: torch.Tensor, lora=None, pair_shrink=None) -> torch.Tensor:
+    """Launch the persistent down GEMM (module notes; needs usable(act, w_down, align.block_m, gated=False)) into
+    y [P, H] by pair id. The grid comes from host-known sizes only, so the launch can be captured in a CUDA graph.
+    `lora` = (shrunk [NB * BM, R] by block row (moe_lora_shrink), B [S, E, H, R]): the LoRA delta
+    shrunk @ B[slot, e]^T added before the routing weight (R up to MAX_EXPAND_RANK). `pair_shrink` = (la
+    [S, Ea, RS, K], out [P, RS]) (needs pair_shrink_usable), for a down B shared by all experts: N tile 0 of each
+    block with adapter rows also writes its rows' down LoRA shrink act @ la[slot, e]^T by pair id (moe_gemm's
+    pair_shrink; rows of no adapter are left unwritten)."""
+    assert lora is None or pair_shrink is None, "a per-expert down B, or the pair shrink of a shared one"
     E, N, K = w_down.shape
     dt = _dtype(act)
     a_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, BLOCK_K],
@@ -394,8 +545,27 @@ def moe_down_gluon(act: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, ali
     w_desc = TensorDescriptor.from_tensor(w_down.view(E * N, K), [DOWN_BLOCK_N, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([DOWN_BLOCK_N, BLOCK_K], dt))
     grid = (min(_num_sms(act), align.num_blocks * (N // DOWN_BLOCK_N)),)
-    moe_down_kernel[grid](a_desc, w_desc, y, align.sorted_pairs, align.block_expert, align.num_padded, topk_weights,
-                          align.num_pairs, y.stride(0), N=N, K=K, NUM_BUFFERS=NUM_BUFFERS, num_warps=NUM_WARPS)
+    la_desc, pair_shrunk, RS, shrink_strides = a_desc, act, 0, (0, 0)
+    if pair_shrink is not None:
+        la, pair_shrunk = pair_shrink
+        S, Ea, RS, _ = la.shape
+        BLOCK_RS = max(16, 1 << (RS - 1).bit_length())
+        box = [PAIR_SHRINK_WIDE // BLOCK_RS, BLOCK_RS, BLOCK_K]  # every slot's rows of one expert
+        la_desc = TensorDescriptor.from_tensor(la.view(S, Ea * RS, K), box,
+                                               gl.NVMMASharedLayout.get_default_for(box, dt))
+        shrink_strides = (RS if Ea > 1 else 0, pair_shrunk.stride(0))
+    shrunk, B, R, expand_strides = act, act, 0, (0, 0, 0, 0, 0)
+    if lora is not None:
+        shrunk, B = lora
+        R = B.shape[3]
+        expand_strides = (shrunk.stride(0), B.stride(0), B.stride(1), B.stride(2), B.stride(3))
+    slotted = lora is not None or pair_shrink is not None
+    slots, lo, hi = (align.token_slots, align.block_slot_lo, align.block_slot_hi) if slotted else (act, act, act)
+    moe_down_kernel[grid](a_desc, w_desc, la_desc, y, align.sorted_pairs, align.block_expert, align.num_padded,
+                          topk_weights, slots, lo, hi, pair_shrunk, shrunk, B, align.num_pairs, top_k, RS, R,
+                          y.stride(0), shrink_strides[0], shrink_strides[1], *expand_strides, N=N, K=K,
+                          NUM_BUFFERS=NUM_BUFFERS, PAIR_SHRINK=pair_shrink is not None, WIDE=PAIR_SHRINK_WIDE,
+                          HAS_LORA=lora is not None, BLOCK_R=max(16, 1 << (R - 1).bit_length()), num_warps=NUM_WARPS)
     return y
 
 

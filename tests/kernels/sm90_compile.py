@@ -94,8 +94,11 @@ def _gluon_gemms(T: int):
         # (by token: dense_lora_shrink's float32 partial sums)
         shrunk = torch.empty(T, R, dtype=torch.float32) if by_token else torch.empty(blocks * BM, R, **bf16)
         mg.moe_gate_up_gluon(x, w_gu, act, align, k, (shrunk, torch.empty(4, E, 2 * I, R, **bf16), by_token))
-    mg.moe_down_gluon(act, torch.empty(E, H, I, **bf16), torch.empty(T * k, H, **bf16), align,
-                      torch.empty(T * k, **bf16))
+    down = (act, torch.empty(E, H, I, **bf16), torch.empty(T * k, H, **bf16), align, k, torch.empty(T * k, **bf16))
+    mg.moe_down_gluon(*down)
+    for R in (16, 32):  # a per-expert down B (its expand), the pair shrink of a shared one (4 slots x 16)
+        mg.moe_down_gluon(*down, lora=(torch.empty(blocks * BM, R, **bf16), torch.empty(4, E, H, R, **bf16)))
+    mg.moe_down_gluon(*down, pair_shrink=(torch.empty(4, E, 16, I, **bf16), torch.empty(T * k, 16, **bf16)))
 
 
 def _dense_consumers(T: int = 128):
@@ -129,9 +132,10 @@ CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
     "moe-4096-rank-32-shared-outer": (4096, {}, 32, True),
     "moe-8192-rank-32": (8192, {}, 32, False),
 }
-HOPPER_CASES = {  # name: LoRA rank; the 8192-token layer with the Gluon kernels' conditions
-    "moe-8192-gluon-rank-16": 16,  # gate_up (gate and up: rank 32) in Gluon
-    "moe-8192-gluon-rank-32": 32,  # gate and up: 64, beyond MAX_EXPAND_RANK: gate_up stays in moe_gemm
+HOPPER_CASES = {  # name: (LoRA rank, shared_outer); the 8192-token layer with the Gluon kernels' conditions
+    "moe-8192-gluon-rank-16": (16, False),  # gate_up (gate and up: rank 32) and down's expand in Gluon
+    "moe-8192-gluon-rank-32": (32, False),  # gate and up: 64, beyond MAX_EXPAND_RANK: gate_up stays in moe_gemm
+    "moe-8192-gluon-shared-outer": (16, True),  # both in Gluon, down with the pair shrink (4 slots x 16)
 }
 
 if __name__ == "__main__":
@@ -141,7 +145,8 @@ if __name__ == "__main__":
     elif sys.argv[1] == "dense-lora-partials":
         _dense_consumers()
     elif sys.argv[1] in HOPPER_CASES:
-        _layer(8192, {}, R=HOPPER_CASES[sys.argv[1]], hopper=True)
+        rank, shared_outer = HOPPER_CASES[sys.argv[1]]
+        _layer(8192, {}, rank, shared_outer, hopper=True)
     else:
         tokens, change, rank, shared_outer = CASES[sys.argv[1]]
         _layer(tokens, change, rank, shared_outer)

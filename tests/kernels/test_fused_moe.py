@@ -43,12 +43,15 @@ def routing(T, E, k, g, device=DEVICE, skip_expert=None):
     return ids.to(device), (weights * 1.7).to(device)
 
 
-def expert_lora(S, E, H, I, R, g, dtype, shared_outer=True, empty_slot=None):
+def expert_lora(S, E, H, I, R, g, dtype, shared_outer=True, empty_slot=None, gate_up_rank=None):
     """Stacked expert LoRA with gate/up A shared across experts and down B shared (expert dim 1) when
-    shared_outer; slot `empty_slot` all zero (an adapter with no expert weights)."""
+    shared_outer; slot `empty_slot` all zero (an adapter with no expert weights). Rank R, gate_up_rank (gate and up
+    stacked: twice PEFT's rank per projection) R unless given."""
     Ea = 1 if shared_outer else E
+    Rg = gate_up_rank or R
     lora = ExpertLoRA(
-        gate_up_A=0.3 * torch.randn(S, Ea, R, H, generator=g), gate_up_B=0.3 * torch.randn(S, E, 2 * I, R, generator=g),
+        gate_up_A=0.3 * torch.randn(S, Ea, Rg, H, generator=g),
+        gate_up_B=0.3 * torch.randn(S, E, 2 * I, Rg, generator=g),
         down_A=0.3 * torch.randn(S, E, R, I, generator=g), down_B=0.3 * torch.randn(S, Ea, H, R, generator=g),
         slots=frozenset(range(S)))
     for name in ("gate_up_A", "gate_up_B", "down_A", "down_B"):
@@ -294,20 +297,24 @@ def _float(lora):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [64, 1024, 2048, 8192])
-@pytest.mark.parametrize("shared_outer", [True, False])
-def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer):
-    """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; rank 16, 4 adapters (shared-outer or per-expert factors);
-    bf16 vs fp32 reference. The sizes reach every CONFIGS entry (TMA weights from 1024 tokens, half-height tail
-    blocks from 2048, the block-ordered activation at 8192)."""
+@pytest.mark.parametrize("T,shared_outer,R", [(T, shared_outer, 16) for T in (64, 1024, 2048, 8192)
+                                              for shared_outer in (True, False)]
+                         + [(64, False, 32), (2048, False, 32), (4096, True, 32), (8192, False, 32)])
+def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer, R):
+    """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; 4 adapters (shared-outer or per-expert factors) of rank R
+    (16: gate and up stacked 16; 32: PEFT's rank 32 per projection, gate and up stacked 64, the grouped GEMM one
+    pipeline stage shallower to fit shared memory); bf16 vs fp32 reference. The sizes reach every CONFIGS entry
+    (TMA weights from 1024 tokens, half-height tail blocks from 2048, the block-ordered activation and the Gluon
+    GEMMs at 8192)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    E, k, H, I, S, R = 128, 8, 2048, 768, 4, 16
+    E, k, H, I, S = 128, 8, 2048, 768, 4
     dev = "cuda"
     x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
     ids, weights = routing(T, E, k, g, device=dev)
     w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dev, torch.bfloat16)
     w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(dev, torch.bfloat16)
-    lora = expert_lora(S, E, H, I, R, g, torch.bfloat16, shared_outer=shared_outer)
+    lora = expert_lora(S, E, H, I, R, g, torch.bfloat16, shared_outer=shared_outer,
+                       gate_up_rank=16 if R == 16 else 2 * R)
     lora = ExpertLoRA(*(getattr(lora, n).to(dev) for n in ("gate_up_A", "gate_up_B", "down_A", "down_B")),
                       slots=lora.slots)
     slots = torch.randint(-1, S, (T,), generator=g).to(dev)
@@ -331,7 +338,8 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer):
 def test_gluon_gemms_equal_moe_gemm(T):
     """The persistent Gluon GEMMs (the base layer's from 8192 tokens on) against moe_gemm on the same alignment,
     bit for bit, and against their torch references; Qwen3-30B-A3B shapes, an expert without tokens, NaN-poisoned
-    outputs. 40 tokens: fewer tiles than SMs (most programs get none)."""
+    outputs; then their LoRA work (gate_up's expand, down's expand and pair shrink) against moe_gemm's. 40 tokens:
+    fewer tiles than SMs (most programs get none)."""
     from lora_eval.kernels import moe_gemm_gluon as mg
 
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -356,7 +364,7 @@ def test_gluon_gemms_equal_moe_gemm(T):
     assert torch.equal(act[:padded], act_triton[:padded])
     assert rel_err(act[:padded], mg.moe_gate_up_ref(x, w_gu, align, k)[:padded]) < 1e-2
     y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")  # [P, H]
-    mg.moe_down_gluon(act, w_d, y, align, weights)
+    mg.moe_down_gluon(act, w_d, y, align, k, weights)
     y_triton = torch.empty_like(y)
     moe_gemm(act, w_d, y_triton, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights,
              config=tiles.tiles("down"), w_tma=True, a_sorted=True, a_tma=True)
@@ -380,6 +388,42 @@ def test_gluon_gemms_equal_moe_gemm(T):
         padded = int(align.num_padded)
         assert not act[:padded].isnan().any()
         assert torch.equal(act[:padded], act_triton[:padded])
+    # down with the pair shrink (LoRA A of 4 slots side by side; rows of no adapter) against moe_gemm's, bit for bit,
+    # and the shrink against torch: act[row of pair] @ A[slot, expert]^T
+    RS = 16
+    la = (torch.randn(S, E, RS, I, generator=g) / I**0.5).to("cuda", torch.bfloat16)
+    shrunk = torch.full((T * k, RS), float("nan"), dtype=torch.bfloat16, device="cuda")  # [P, RS]
+    shrunk_triton = torch.full_like(shrunk, float("nan"))
+    y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mg.moe_down_gluon(act, w_d, y, align, k, weights, pair_shrink=(la, shrunk))
+    moe_gemm(act, w_d, y_triton, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights,
+             config=tiles.tiles("down"), w_tma=True, a_sorted=True, a_tma=True, pair_shrink=(la, shrunk_triton))
+    assert not y.isnan().any()
+    assert torch.equal(y, y_triton)
+    pair_slot = slots.repeat_interleave(k)  # [P]
+    adapter = pair_slot >= 0
+    assert not shrunk[adapter].isnan().any()
+    assert torch.equal(shrunk[adapter], shrunk_triton[adapter])
+    row_of_pair = torch.empty(T * k, dtype=torch.long, device="cuda")
+    padded = int(align.num_padded)
+    placed = align.sorted_pairs[:padded].long()
+    row_of_pair[placed[placed < T * k]] = (placed < T * k).nonzero().squeeze(1)
+    pairs = adapter.nonzero().squeeze(1)
+    ref = torch.cat([torch.bmm(la[pair_slot[p], ids.reshape(-1)[p]].float(), act[row_of_pair[p]].float()[:, :, None])
+                     [:, :, 0] for p in pairs.split(4096)])  # [n, RS]
+    assert rel_err(shrunk[pairs], ref) < 1e-2
+    # down with a per-expert LoRA expand (the shrink by block row; 4 slots and rows of none) against moe_gemm's
+    # expand-first, bit for bit
+    shrunk = torch.randn(align.num_blocks * BM, RS, generator=g).to("cuda", torch.bfloat16)  # [NB * BM, RS]
+    B_down = (0.3 * torch.randn(S, E, H, RS, generator=g)).to("cuda", torch.bfloat16)
+    y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mg.moe_down_gluon(act, w_d, y, align, k, weights, lora=(shrunk, B_down))
+    moe_gemm(act, w_d, y_triton, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights,
+             lora_B=B_down, shrunk=shrunk, config=tiles.tiles("down"), w_tma=True, a_sorted=True, a_tma=True,
+             expand_first=True)
+    assert not y.isnan().any()
+    assert torch.equal(y, y_triton)
+    assert not torch.equal(y[adapter], mg.moe_down_ref(act, w_d, align, weights)[adapter])  # the delta is there
 
 
 def test_gemm_stages_fit_the_lora_operands_in_shared_memory():

@@ -38,7 +38,8 @@ def test_fused_moe_compiles_for_hopper(case):
 
 
 def test_gluon_gemms_compile_for_hopper():
-    """The persistent Gluon GEMMs (never run by the interpreter): 4 stages of operand tiles each."""
+    """The persistent Gluon GEMMs (never run by the interpreter): 4 stages of operand tiles each (down: with and
+    without the pair shrink's LoRA A rows)."""
     compiled = compile_case("gluon-gemms")
     assert set(compiled) == {"moe_gate_up_kernel", "moe_down_kernel"}
     assert compiled["moe_gate_up_kernel"] >= 4 * (128 + 2 * 128) * 64 * 2
@@ -52,10 +53,13 @@ def test_dense_lora_consumers_compile_with_the_most_partials():
     assert set(compiled) == {"_expand_kernel", "_residual_add_kernel", "head_norm_rope_kernel", "router_topk_kernel"}
 
 
-@pytest.mark.parametrize("case,gluon_gate_up", [("moe-8192-gluon-rank-16", True), ("moe-8192-gluon-rank-32", False)])
-def test_fused_moe_routes_gate_up_to_gluon_up_to_its_rank(case, gluon_gate_up):
+@pytest.mark.parametrize("case,gluon_gate_up", [("moe-8192-gluon-rank-16", True), ("moe-8192-gluon-rank-32", False),
+                                               ("moe-8192-gluon-shared-outer", True)])
+def test_fused_moe_routes_lora_work_to_gluon(case, gluon_gate_up):
     """On Hopper from 8192 tokens: gate_up's LoRA expand runs in the Gluon kernel up to MAX_EXPAND_RANK (gate and up
-    ranks together), in moe_gemm above it; the down GEMM with LoRA work stays in moe_gemm either way."""
+    ranks together), in moe_gemm above it; the down GEMM takes its LoRA expand (per-expert B, rank 16 or 32) or the
+    pair shrink (a B shared by all experts) in Gluon."""
     compiled = compile_case(case)
     assert ("moe_gate_up_kernel" in compiled) == gluon_gate_up, compiled
-    assert "moe_gemm_kernel" in compiled and "moe_down_kernel" not in compiled
+    assert "moe_down_kernel" in compiled, compiled
+    assert ("moe_gemm_kernel" in compiled) == (not gluon_gate_up), compiled
