@@ -43,7 +43,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 BLOCK_M, BLOCK_K, NUM_BUFFERS, NUM_WARPS = 128, 64, 4, 8  # BLOCK_M: the alignment's block rows
 GATE_UP_BLOCK_N, DOWN_BLOCK_N = 128, 256  # gate_up holds two accumulators (gate, up)
-MAX_EXPAND_RANK = 32  # gate_up's LoRA operands borrow its output tile's shared memory: [4 * BM, rank] must fit
+MAX_EXPAND_RANK = 32  # the LoRA expands' operands (gate and up ranks together) go through a free ring buffer:
+# down's [2 * BN, rank] must fit one weight tile; gate_up's registers are full at 32
 PAIR_SHRINK_WIDE = 64  # down's pair shrink: adapter slots x padded rank side by side (one wgmma's N)
 
 
@@ -393,13 +394,14 @@ if HAVE_GLUON:
         return pid_m, pid_n, e, e * N2 + pid_n * BLOCK_N, a_ptrs, a_mask
 
     @gluon.jit
-    def _gate_up_expand(acc_g, acc_u, lora_smem, tile_m, tile_n, e, lo, hi, sorted_pairs_ptr, token_slots_ptr,
+    def _gate_up_expand(acc_g, acc_u, s_smem, g_smem, u_smem, tile_m, tile_n, e, lo, hi, sorted_pairs_ptr,
+                        token_slots_ptr,
                         shrunk_ptr, lb_ptr, P, top_k, R, I, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
                         SHRUNK_BY_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
         """The tile's LoRA delta as the accumulators' starting value (moe_gemm's expand_first): for each adapter
-        slot s of the block, shrink rows of slot s (others 0) @ B[s, e]^T for gate and up, through lora_smem
-        ([4 * BM, BR], BM = BN: the shrink rows, gate B, up B)."""
+        slot s of the block, shrink rows of slot s (others 0) @ B[s, e]^T for gate and up, through s_smem [BM, BR]
+        (the shrink rows), g_smem and u_smem [BN, BR] (gate and up B)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
         offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
         offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BN]
@@ -417,21 +419,18 @@ if HAVE_GLUON:
             + gl.expand_dims(offs_r * stride_lbr, 0)  # [BN, BR] at slot 0, gate rows
         for s in range(lo, hi + 1):  # a block nearly always holds one slot
             shrunk = gl.load(s_ptrs, mask=gl.expand_dims(valid & (slot == s), 1) & r_mask, other=0.0)
-            shrunk = shrunk.to(lora_smem.dtype)  # a float32 shrink (dense_lora_shrink's) rounds as moe_gemm's does
+            shrunk = shrunk.to(s_smem.dtype)  # a float32 shrink (dense_lora_shrink's) rounds as moe_gemm's does
             b_gate = gl.load(b_ptrs + s * stride_lbs, mask=r_mask, other=0.0)
             b_up = gl.load(b_ptrs + s * stride_lbs + I * stride_lbn, mask=r_mask, other=0.0)
-            gl.thread_barrier()  # both warpgroups' MMAs of the previous slot are done with lora_smem
-            lora_smem.slice(0, BLOCK_M).store(shrunk)
-            lora_smem.slice(BLOCK_M, BLOCK_N).store(b_gate)
-            lora_smem.slice(BLOCK_M + BLOCK_N, BLOCK_N).store(b_up)
+            gl.thread_barrier()  # both warpgroups' MMAs of the previous slot are done with the buffers
+            s_smem.store(shrunk)
+            g_smem.store(b_gate)
+            u_smem.store(b_up)
             fence_async_shared()
             gl.thread_barrier()
-            a = lora_smem.slice(0, BLOCK_M)
-            acc_g = warpgroup_mma(a, lora_smem.slice(BLOCK_M, BLOCK_N).permute((1, 0)), acc_g, is_async=True,
-                                  use_acc=s > lo)
-            acc_u = warpgroup_mma(a, lora_smem.slice(BLOCK_M + BLOCK_N, BLOCK_N).permute((1, 0)), acc_u,
-                                  is_async=True, use_acc=s > lo)
-            acc_g, acc_u = warpgroup_mma_wait(0, (acc_g, acc_u))  # lora_smem is rewritten by the next slot
+            acc_g = warpgroup_mma(s_smem, g_smem.permute((1, 0)), acc_g, is_async=True, use_acc=s > lo)
+            acc_u = warpgroup_mma(s_smem, u_smem.permute((1, 0)), acc_u, is_async=True, use_acc=s > lo)
+            acc_g, acc_u = warpgroup_mma_wait(0, (acc_g, acc_u))  # the buffers are rewritten by the next slot
         return acc_g, acc_u
 
     @gluon.jit
@@ -449,7 +448,8 @@ if HAVE_GLUON:
         a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 16-byte cp.async
         a_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         gl.static_assert(K // BLOCK_K >= NUM_BUFFERS - 1, "the pipeline needs NUM_BUFFERS - 1 steps per tile")
-        gl.static_assert(BLOCK_M == BLOCK_N and BLOCK_R <= 32, "the LoRA operands borrow out_smem as [4 * BM, BR]")
+        gl.static_assert(BLOCK_R <= BLOCK_K, "the LoRA operands borrow a ring buffer's [BM or BN, BK] tiles")
+        lora_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_R], dtype)
 
         a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], a_smem)
         g_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
@@ -473,13 +473,16 @@ if HAVE_GLUON:
             if HAS_LORA:  # the block's LoRA delta starts the accumulators (rows of no adapter start from 0)
                 lo = gl.maximum(gl.load(block_lo_ptr + pid_m), 0)
                 hi = gl.load(block_hi_ptr + pid_m)
-                tma.store_wait(0)  # the previous tile's store has left out_smem, which lends the LoRA operands room
-                lora_smem = out_smem._reinterpret(dtype, [4 * BLOCK_M, BLOCK_R], gl.NVMMASharedLayout.
-                                                  get_default_for([4 * BLOCK_M, BLOCK_R], dtype))
-                acc_g, acc_u = _gate_up_expand(acc_g, acc_u, lora_smem, pid_m, pid_n, e, lo, hi, sorted_pairs_ptr,
-                                               token_slots_ptr, shrunk_ptr, lb_ptr, P, top_k, R, I, stride_sm,
-                                               stride_lbs, stride_lbe, stride_lbn, stride_lbr, SHRUNK_BY_TOKEN,
-                                               BLOCK_M, BLOCK_N, BLOCK_R, num_warps)
+                # its operands go through the ring buffer the next load fills (its last reader, the previous
+                # tile's last MMA, is retired; the next load follows the first MMA's barrier), not through out_smem,
+                # so that the previous tile's TMA store goes on under this tile
+                free = producer % NUM_BUFFERS
+                acc_g, acc_u = _gate_up_expand(
+                    acc_g, acc_u, a_bufs.index(free)._reinterpret(dtype, [BLOCK_M, BLOCK_R], lora_layout),
+                    g_bufs.index(free)._reinterpret(dtype, [BLOCK_N, BLOCK_R], lora_layout),
+                    u_bufs.index(free)._reinterpret(dtype, [BLOCK_N, BLOCK_R], lora_layout), pid_m, pid_n, e, lo, hi,
+                    sorted_pairs_ptr, token_slots_ptr, shrunk_ptr, lb_ptr, P, top_k, R, I, stride_sm, stride_lbs,
+                    stride_lbe, stride_lbn, stride_lbr, SHRUNK_BY_TOKEN, BLOCK_M, BLOCK_N, BLOCK_R, num_warps)
                 first_use_acc = hi >= lo
             else:
                 first_use_acc = False
