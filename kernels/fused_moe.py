@@ -179,37 +179,45 @@ SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages 
 GEMM_SMEM = 227 * 1024  # shared memory one block of the grouped GEMM may use (H100 / H200)
 
 
-def gemm_stages(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size: int) -> int:
-    """The grouped GEMM's pipeline depth with LoRA work: tiles' num_stages, less while its pipelined tiles
-    ((stages - 1) x (a tile, the weight tiles, the pair shrink's A tile)) and the expand's operands (a block's
-    shrink rows and B tiles; twice for blocks above 16 rows, their layout conversions) would not fit GEMM_SMEM.
-    Checked by compiling for sm_90 (tests/kernels/test_sm90_compile.py): without it every expert adapter of rank
-    32 overflowed shared memory at 64 and at 2048+ tokens. A padded rank that fits no stage is refused by name."""
+def _gemm_smem(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size: int, stages: int) -> int:
+    """Bytes of shared memory of the grouped GEMM at `stages` pipeline stages: (stages - 1) x its pipelined tiles (a
+    tile, the weight tiles, the pair shrink's A tile), the expand's operands (a block's shrink rows and B tiles over
+    lora_cols ranks; twice for blocks above 16 rows, their layout conversions) and the pair shrink's float32
+    [BM, shrink_cols] epilogue. Checked by compiling for sm_90 (tests/kernels/test_sm90_compile.py)."""
     BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
     weights = 2 if gated else 1
     stage = (BM * BK + weights * BN * BK + BK * shrink_cols) * size
     copies = 1 if BM <= 16 else 2  # measured: 16-row blocks hold the operands once, larger ones twice
-    operands = copies * (BM * lora_cols + weights * lora_cols * BN) * size + BM * shrink_cols * 4  # + the pair
-    stages = tiles["num_stages"]  # shrink's float32 [BM, slots x rank] in its epilogue
-    while stages > 2 and (stages - 1) * stage + operands > GEMM_SMEM:
+    operands = copies * (BM * lora_cols + weights * lora_cols * BN) * size + BM * shrink_cols * 4
+    return (stages - 1) * stage + operands
+
+
+def expand_rank_step(tiles: dict, gated: bool, rank: int, shrink_cols: int, size: int) -> int:
+    """The in-GEMM LoRA expand's step over the (padded) rank: all of it when its operands fit beside one pipeline
+    stage, else halved until they do, and the expand loops over rank chunks (PEFT's rank 64 per projection on
+    gate_up at 128-row blocks: two chunks of 64)."""
+    step = rank
+    while step > 16 and _gemm_smem(tiles, gated, step, shrink_cols, size, 2) > GEMM_SMEM:
+        step //= 2
+    return step
+
+
+def gemm_stages(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size: int) -> int:
+    """The grouped GEMM's pipeline depth with LoRA work: tiles' num_stages, less while _gemm_smem would not fit
+    GEMM_SMEM (without it every expert adapter of rank 32 overflowed shared memory at 64 and at 2048+ tokens, found
+    by the sm_90 compile test). lora_cols: the expand's rank step (expand_rank_step). Work that fits no depth is
+    refused by name."""
+    stages = tiles["num_stages"]
+    while stages > 2 and _gemm_smem(tiles, gated, lora_cols, shrink_cols, size, stages) > GEMM_SMEM:
         stages -= 1
-    if stage + operands > GEMM_SMEM:
+    if _gemm_smem(tiles, gated, lora_cols, shrink_cols, size, 2) > GEMM_SMEM:
         what = "gate_up (gate and up ranks together)" if gated else "down"
-        raise ValueError(f"fused_moe: an expert LoRA of rank {lora_cols} on {what} does not fit one block of the "
-                         f"grouped GEMM's {BM}x{BN} tiles on the GPU; up to {max_expand_rank(tiles, gated, size)} "
-                         f"fits at this batch size (slots x rank of the pair shrink: {shrink_cols})")
+        raise ValueError(f"fused_moe: the grouped GEMM's {tiles['BLOCK_M']}x{tiles['BLOCK_N']} tiles on {what} with "
+                         f"a LoRA expand of {lora_cols} ranks at a time and a pair shrink of {shrink_cols} columns "
+                         f"(slots x rank) do not fit the GPU's {GEMM_SMEM} bytes of shared memory")
     return stages
 
 
-def max_expand_rank(tiles: dict, gated: bool, size: int) -> int:
-    """The largest padded LoRA rank whose expand operands fit beside one stage of the grouped GEMM's tiles."""
-    BM, BN, BK = tiles["BLOCK_M"], tiles["BLOCK_N"], tiles["BLOCK_K"]
-    weights = 2 if gated else 1
-    rank = 16
-    copies = 1 if BM <= 16 else 2
-    while (BM * BK + weights * BN * BK) * size + copies * (BM * 2 * rank + weights * 2 * rank * BN) * size <= GEMM_SMEM:
-        rank *= 2
-    return rank
 SHRINK_TILES = dict(BLOCK_K=256, num_warps=4, num_stages=3)  # the per-block shrink's defaults (MoeConfig.shrink)
 
 
@@ -282,22 +290,41 @@ def _expand(acc, shrunk, lb_ptr, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOC
 
 
 @triton.jit
+def _expand_chunk(acc, acc_up, shrunk_ptrs, lb_ptr, slot, valid, s, r0, e, offs_n, n_mask, N, R, stride_lbs,
+                  stride_lbe, stride_lbn, stride_lbr, GATED: tl.constexpr, BLOCK_R: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """acc (and acc_up) += the shrink columns r0 .. r0 + BLOCK_R of slot s's rows @ those of B[s, e] (rows of
+    other slots add exact zeros)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    shrunk = tl.load(shrunk_ptrs + r0, mask=(valid & (slot == s))[:, None] & (offs_r < R - r0)[None, :], other=0.0)
+    lb = lb_ptr + s * stride_lbs + e * stride_lbe + r0 * stride_lbr
+    acc = _expand(acc, shrunk, lb, offs_n, n_mask, R - r0, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
+    if GATED:
+        acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R - r0, stride_lbn, stride_lbr, BLOCK_R,
+                         DOT_PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
 def _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo, hi, e, offs_n, n_mask,
-                 r_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr, GATED: tl.constexpr,
-                 BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The block's LoRA delta into its accumulators: the first slot's shrink rows and B tiles as loaded before the
-    main loop, further slots (a block at a slot boundary) loaded here. Rows of no adapter add exact zeros."""
+                 N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr, GATED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """The block's LoRA delta into its accumulators, BLOCK_R ranks at a time (expand_rank_step): the first slot's
+    first chunk of shrink rows and B tiles as loaded before the main loop; its further chunks and further slots
+    (a block at a slot boundary) loaded here. Rows of no adapter add exact zeros."""
     if hi >= lo:
         acc = tl.dot(first.to(first_b.dtype), first_b, acc, input_precision=DOT_PRECISION)
         if GATED:
             acc_up = tl.dot(first.to(first_b.dtype), first_b_up, acc_up, input_precision=DOT_PRECISION)
+        for r0 in range(BLOCK_R, R, BLOCK_R):
+            acc, acc_up = _expand_chunk(acc, acc_up, shrunk_ptrs, lb_ptr, slot, valid, lo, r0, e, offs_n, n_mask, N,
+                                        R, stride_lbs, stride_lbe, stride_lbn, stride_lbr, GATED, BLOCK_R,
+                                        DOT_PRECISION)
         for s in range(lo + 1, hi + 1):
-            shrunk = tl.load(shrunk_ptrs, mask=(valid & (slot == s))[:, None] & r_mask[None, :], other=0.0)
-            lb = lb_ptr + s * stride_lbs + e * stride_lbe
-            acc = _expand(acc, shrunk, lb, offs_n, n_mask, R, stride_lbn, stride_lbr, BLOCK_R, DOT_PRECISION)
-            if GATED:
-                acc_up = _expand(acc_up, shrunk, lb + N * stride_lbn, offs_n, n_mask, R, stride_lbn, stride_lbr,
-                                 BLOCK_R, DOT_PRECISION)
+            for r0 in range(0, R, BLOCK_R):
+                acc, acc_up = _expand_chunk(acc, acc_up, shrunk_ptrs, lb_ptr, slot, valid, s, r0, e, offs_n, n_mask,
+                                            N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr, GATED, BLOCK_R,
+                                            DOT_PRECISION)
     return acc, acc_up
 
 
@@ -400,8 +427,8 @@ def _moe_tile(
             first_b_up = tl.load(lb_ptrs + lo * stride_lbs + N * stride_lbn, mask=lb_mask, other=0.0)
         if EXPAND_FIRST:  # the delta is the accumulators' starting value
             acc, acc_up = _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo,
-                                       hi, e, offs_n, n_mask, r_mask, N, R, stride_lbs, stride_lbe, stride_lbn,
-                                       stride_lbr, GATED, BLOCK_R, DOT_PRECISION)
+                                       hi, e, offs_n, n_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
+                                       GATED, BLOCK_R, DOT_PRECISION)
     if SHRINK:  # column c of the side-by-side shrink: slot c // BLOCK_RS, rank c % BLOCK_RS
         s_lo = tl.maximum(tl.load(block_lo_ptr + pid_m), 0)
         s_hi = tl.load(block_hi_ptr + pid_m)
@@ -440,8 +467,8 @@ def _moe_tile(
             w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA and not EXPAND_FIRST:  # the delta added to the main loop's sums
         acc, acc_up = _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, slot, valid, lo, hi,
-                                   e, offs_n, n_mask, r_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
-                                   GATED, BLOCK_R, DOT_PRECISION)
+                                   e, offs_n, n_mask, N, R, stride_lbs, stride_lbe, stride_lbn, stride_lbr, GATED,
+                                   BLOCK_R, DOT_PRECISION)
     if SHRINK:  # each row keeps its own slot's columns (exact zeros for rows of no adapter)
         wide = tl.where(c_slot[None, :] == s_slot[:, None], wide, 0.0)
         pair_shrunk = tl.sum(tl.reshape(wide, (TILE_M, BLOCK_S, BLOCK_RS)), axis=1)  # [TILE_M, BRS]
@@ -667,7 +694,8 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     """Launch the grouped GEMM over every aligned block. Grids come from host-known sizes only, so the launches
     can be captured in a CUDA graph. LoRA: `lora_B` [S, Eb, N (gated: 2N), R] and the shrink `shrunk`, by block
     row [blocks * BLOCK_M, R] (moe_lora_shrink) or with `shrunk_by_token` by token [T, R] (an A shared by all
-    experts: dense_lora_shrink). `pair_shrink` (not gated, no lora_B): (la [S, Ea, RS, K], out [P, RS]): N tile 0
+    experts: dense_lora_shrink); the expand steps over R in chunks where all of it would not fit shared memory
+    (expand_rank_step). `pair_shrink` (not gated, no lora_B): (la [S, Ea, RS, K], out [P, RS]): N tile 0
     of each block also writes its rows' shrink a @ la[slot, e]^T by pair id (the adapter slots side by side: needs
     S * RS within ALL_SLOTS_MAX after padding). `config`: one GEMM's tiles (MoeConfig.tiles). Layout: `w_tma` /
     `a_tma` load w / a through TMA descriptors (see tma_ready; a_tma needs a_sorted), `a_sorted` reads a's rows by
@@ -699,8 +727,10 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     BLOCK_RS = max(16, triton.next_power_of_2(RS))
     BLOCK_R = max(16, triton.next_power_of_2(R))
     if lora_B is not None or pair_shrink is not None:
-        config = dict(config, num_stages=gemm_stages(config, gated, BLOCK_R if lora_B is not None else 0,
-                                                     BLOCK_S * BLOCK_RS if pair_shrink is not None else 0,
+        shrink_cols = BLOCK_S * BLOCK_RS if pair_shrink is not None else 0
+        if lora_B is not None:  # the expand's rank step: all of it, or chunks where its operands would not fit
+            BLOCK_R = expand_rank_step(config, gated, BLOCK_R, shrink_cols, a.element_size())
+        config = dict(config, num_stages=gemm_stages(config, gated, BLOCK_R if lora_B is not None else 0, shrink_cols,
                                                      a.element_size()))
     grid = (align.num_blocks * triton.cdiv(N, config["BLOCK_N"]),)
     w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w

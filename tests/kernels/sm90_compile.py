@@ -131,6 +131,9 @@ CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
     "moe-64-rank-32": (64, {}, 32, False),
     "moe-4096-rank-32-shared-outer": (4096, {}, 32, True),
     "moe-8192-rank-32": (8192, {}, 32, False),
+    # rank 64 (gate and up: 128) was refused above 1024 tokens; the expand now steps over two rank chunks of 64
+    "moe-2048-rank-64": (2048, {}, 64, False),
+    "moe-8192-rank-64-shared-outer": (8192, {}, 64, True),
 }
 HOPPER_CASES = {  # name: (LoRA rank, shared_outer); the 8192-token layer with the Gluon kernels' conditions
     "moe-8192-gluon-rank-16": (16, False),  # gate_up (gate and up: rank 32) and down's expand in Gluon

@@ -299,11 +299,13 @@ def _float(lora):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T,shared_outer,R", [(T, shared_outer, 16) for T in (64, 1024, 2048, 8192)
                                               for shared_outer in (True, False)]
-                         + [(64, False, 32), (2048, False, 32), (4096, True, 32), (8192, False, 32)])
+                         + [(64, False, 32), (2048, False, 32), (4096, True, 32), (8192, False, 32),
+                            (2048, False, 64), (8192, True, 64)])
 def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer, R):
     """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; 4 adapters (shared-outer or per-expert factors) of rank R
-    (16: gate and up stacked 16; 32: PEFT's rank 32 per projection, gate and up stacked 64, the grouped GEMM one
-    pipeline stage shallower to fit shared memory); bf16 vs fp32 reference. The sizes reach every CONFIGS entry
+    (16: gate and up stacked 16; 32 / 64: PEFT's rank per projection, gate and up stacked 64 / 128, the grouped
+    GEMM one pipeline stage shallower to fit shared memory, at rank 64 its expand in two rank chunks); bf16 vs fp32
+    reference. The sizes reach every CONFIGS entry
     (TMA weights from 1024 tokens, half-height tail blocks from 2048, the block-ordered activation and the Gluon
     GEMMs at 8192)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -428,20 +430,45 @@ def test_gluon_gemms_equal_moe_gemm(T):
 
 def test_gemm_stages_fit_the_lora_operands_in_shared_memory():
     """The grouped GEMM gives up pipeline stages for the LoRA expand's operands (and the pair shrink's tiles) where
-    the table's depth would overflow an H100's shared memory, and refuses a rank no depth fits, by name (the
-    numbers behind it: tests/kernels/test_sm90_compile.py compiles these configurations for sm_90)."""
-    from lora_eval.kernels.fused_moe import GEMM_SMEM, gemm_stages
+    the table's depth would overflow an H100's shared memory, and steps the expand over rank chunks where one stage
+    would not hold them (the numbers behind it: tests/kernels/test_sm90_compile.py compiles these configurations
+    for sm_90); work no depth fits is refused by name."""
+    from lora_eval.kernels.fused_moe import GEMM_SMEM, expand_rank_step, gemm_stages
 
     large = pick_config(4096, 8, 128)
     gate_up, down = large.tiles("gate_up"), large.tiles("down")
     assert gemm_stages(gate_up, True, 32, 0, 2) == gate_up["num_stages"] == 4  # rank 16 (gate and up: 32)
     assert gemm_stages(gate_up, True, 64, 0, 2) == 3  # rank 32
     assert gemm_stages(down, False, 0, 64, 2) == 4 and gemm_stages(down, False, 0, 128, 2) == 3  # pair shrink
-    with pytest.raises(ValueError, match=r"rank 128 on gate_up .* up to 64 fits"):
-        gemm_stages(gate_up, True, 128, 0, 2)  # rank 64 at 128-row blocks
+    assert [expand_rank_step(gate_up, True, r, 0, 2) for r in (32, 64, 128, 256)] == [32, 64, 64, 64]  # rank 64+
+    assert expand_rank_step(down, False, 64, 0, 2) == 64 and gemm_stages(down, False, 64, 0, 2) == 3
+    with pytest.raises(ValueError, match=r"tiles on gate_up .* expand of 128 ranks at a time"):
+        gemm_stages(gate_up, True, 128, 0, 2)  # all of rank 64 (gate and up: 128) at once at 128-row blocks
     small = pick_config(64, 8, 128).tiles("gate_up")
-    assert gemm_stages(small, True, 128, 0, 2) == 3  # 16-row blocks still take rank 64
+    assert expand_rank_step(small, True, 128, 0, 2) == 128 and gemm_stages(small, True, 128, 0, 2) == 3
     assert GEMM_SMEM == 227 * 1024
+
+
+def test_lora_expand_steps_over_rank_chunks(monkeypatch, seed):
+    """The in-GEMM expand over rank chunks (what rank 64 per projection takes at 128-row blocks on the GPU), forced
+    here at rank 48 in chunks of 16, with 3 adapter slots mixed and rows of none: the layer matches the float32
+    reference, per-expert and shared-outer factors, the expand after the main loop and before it."""
+    monkeypatch.setattr(fused_moe_module, "expand_rank_step", lambda tiles, gated, rank, shrink_cols, size: 16)
+    g = torch.Generator().manual_seed(seed)
+    T, E, k, H, I, S, R = 40, 6, 2, 32, 24, 3, 48
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids, weights = routing(T, E, k, g)
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE)
+    slots = torch.randint(-1, S, (T,), generator=g).to(DEVICE)
+    base = fused_moe_ref(x, ids, weights, w_gu, w_d)
+    for shared_outer in (False, True):
+        lora = expert_lora(S, E, H, I, R, g, torch.float32, shared_outer=shared_outer)
+        ref = fused_moe_ref(x, ids, weights, w_gu, w_d, lora, slots)
+        assert rel_err(ref, base) > 1e-2  # the delta is there
+        for layout in ("ptr", "pair_shrink"):  # the expand after the main loop, and before it
+            out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=LAYOUTS[layout])
+            assert rel_err(out, ref) < 1e-5, layout
 
 
 def test_pick_config_by_pairs_per_expert():

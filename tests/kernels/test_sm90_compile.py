@@ -26,12 +26,15 @@ def compile_case(case: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("case", ["moe-4096", "moe-8192", "moe-8192-no-half-tail", "moe-64-rank-32",
-                                  "moe-4096-rank-32-shared-outer", "moe-8192-rank-32"])
+                                  "moe-4096-rank-32-shared-outer", "moe-8192-rank-32", "moe-2048-rank-64",
+                                  "moe-8192-rank-64-shared-outer"])
 def test_fused_moe_compiles_for_hopper(case):
     compiled = compile_case(case)
     # every launch of a LoRA layer: alignment, the shrinks (per block; shared-outer: per token, the down shrink
     # inside the down GEMM), both GEMMs, the sum over k
-    shrinks = {"_shrink_kernel"} if "shared-outer" in case else {"moe_lora_shrink_kernel"}
+    shrinks = {"moe_lora_shrink_kernel"}  # per block (per-expert A)
+    if "shared-outer" in case:  # gate_up's shared A per token; the down shrink inside the down GEMM while the slots
+        shrinks = {"_shrink_kernel"} | (shrinks if "rank-64" in case else set())  # side by side fit (4 x 32)
     assert set(compiled) == {"moe_count_kernel", "moe_place_kernel", "moe_gemm_kernel", "moe_sum_kernel"} | shrinks, \
         compiled
     assert compiled["moe_gemm_kernel"] > 100_000  # the pipelined GEMM's stages (a real sm_90 compile)
