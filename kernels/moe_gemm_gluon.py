@@ -14,14 +14,15 @@ One CTA per SM loops over (block, N tile) tiles, a block's N tiles adjacent. Ope
 NUM_BUFFERS shared-memory buffers — weights (and down's activation) through TMA with an mbarrier per buffer,
 gate_up's gathered token rows through cp.async (one commit group per step) — async wgmma consumes them, and the
 next tile's first loads are issued while the current tile's last MMAs drain. LoRA expands start the accumulators
-(their operands borrow shared memory that is free at the tile's start); down's pair shrink is one more wgmma per
-step on N tile 0 of a block, its LoRA A rows riding in the ring. Epilogues: gate_up's activation tile leaves through
-a TMA store that overlaps the next tile; down's routing-weighted rows go out as 16-byte rows by pair id (padding rows
-skipped), through the weight buffer the tile's last step leaves free.
+(their operands go through the ring buffer that is free at the tile's start: its last reader retired, its next
+load not yet issued); down's pair shrink is one more wgmma per step on N tile 0 of a block, its LoRA A rows riding
+in the ring. Epilogues: gate_up's activation tile leaves through a TMA store that overlaps the next tile; down's
+routing-weighted rows go out as 16-byte rows by pair id (padding rows skipped), through the weight buffer the tile's
+last step leaves free.
 H100, Qwen3-30B-A3B shapes (benchmarks/gluon_moe_gemm.py, BENCHMARKS.md section 1): gate_up 809 against moe_gemm's
-843 us, down 407 against 445 at 8192 tokens; down with the pair shrink 427 against 458. Gluon does not run in the Triton interpreter: moe_gemm is the
-CPU-tested path; the GPU tests check these kernels against it bit for bit and against the torch references here,
-and the CPU suite compiles them for sm_90 (tests/kernels/test_sm90_compile.py).
+843 us, down 407 against 445 at 8192 tokens; down with the pair shrink 427 against 458. Gluon does not run in the
+Triton interpreter: moe_gemm is the CPU-tested path; the GPU tests check these kernels against it bit for bit and
+against the torch references here, and the CPU suite compiles them for sm_90 (tests/kernels/test_sm90_compile.py).
 """
 
 from __future__ import annotations
@@ -199,23 +200,39 @@ if HAVE_GLUON:
                  & gl.expand_dims(valid, 1))
 
     @gluon.jit
+    def _expand_pointers(tile_m, tile_n, e, sorted_pairs_ptr, token_slots_ptr, shrunk_ptr, lb_ptr, P, top_k, R,
+                         stride_sm, stride_lbe, stride_lbn, stride_lbr, SHRUNK_BY_TOKEN: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr,
+                         num_warps: gl.constexpr):
+        """A LoRA expand's operands for a tile: (each row's slot, whether it is a pair, the rank mask [1, BR], the
+        shrink rows' pointers [BM, BR] (by token or by block row), B[0, e]'s pointers [BN, BR] for the N tile)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
+        offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
+        offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BN]
+        offs_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))  # [BR]
+        pair = gl.load(sorted_pairs_ptr + offs_m)  # [BM]
+        valid = pair < P
+        slot = gl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)  # [BM]
+        if SHRUNK_BY_TOKEN:
+            s_rows = (pair // top_k).to(gl.int64)
+        else:
+            s_rows = offs_m.to(gl.int64)
+        s_ptrs = shrunk_ptr + gl.expand_dims(s_rows * stride_sm, 1) + gl.expand_dims(offs_r, 0)  # [BM, BR]
+        b_ptrs = lb_ptr + e.to(gl.int64) * stride_lbe + gl.expand_dims(offs_n * stride_lbn, 1) \
+            + gl.expand_dims(offs_r * stride_lbr, 0)  # [BN, BR]
+        return slot, valid, gl.expand_dims(offs_r < R, 0), s_ptrs, b_ptrs
+
+    @gluon.jit
     def _down_expand(acc, lora_smem, tile_m, tile_n, e, lo, hi, sorted_pairs_ptr, token_slots_ptr, shrunk_ptr, lb_ptr,
                      P, top_k, R, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
         """The tile's LoRA delta as the accumulator's starting value (moe_gemm's expand_first): for each adapter
         slot s of the block, its rows' shrink (others 0) @ B[s, e]^T, through lora_smem ([2 * BN, BR]: B's rows of
         the N tile, then the shrink rows by block row)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
-        offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
-        offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BN]
-        offs_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))  # [BR]
-        r_mask = gl.expand_dims(offs_r < R, 0)  # [1, BR]
-        pair = gl.load(sorted_pairs_ptr + offs_m)  # [BM]
-        valid = pair < P
-        slot = gl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)  # [BM]
-        s_ptrs = shrunk_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_sm, 1) + gl.expand_dims(offs_r, 0)
-        b_ptrs = lb_ptr + e.to(gl.int64) * stride_lbe + gl.expand_dims(offs_n * stride_lbn, 1) \
-            + gl.expand_dims(offs_r * stride_lbr, 0)  # [BN, BR] at slot 0
+        slot, valid, r_mask, s_ptrs, b_ptrs = _expand_pointers(tile_m, tile_n, e, sorted_pairs_ptr, token_slots_ptr,
+                                                               shrunk_ptr, lb_ptr, P, top_k, R, stride_sm, stride_lbe,
+                                                               stride_lbn, stride_lbr, False, BLOCK_M, BLOCK_N,
+                                                               BLOCK_R, num_warps)
         for s in range(lo, hi + 1):  # a block nearly always holds one slot
             shrunk = gl.load(s_ptrs, mask=gl.expand_dims(valid & (slot == s), 1) & r_mask, other=0.0)
             b = gl.load(b_ptrs + s * stride_lbs, mask=r_mask, other=0.0)
@@ -395,28 +412,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gate_up_expand(acc_g, acc_u, s_smem, g_smem, u_smem, tile_m, tile_n, e, lo, hi, sorted_pairs_ptr,
-                        token_slots_ptr,
-                        shrunk_ptr, lb_ptr, P, top_k, R, I, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr,
-                        SHRUNK_BY_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
+                        token_slots_ptr, shrunk_ptr, lb_ptr, P, top_k, R, I, stride_sm, stride_lbs, stride_lbe,
+                        stride_lbn, stride_lbr, SHRUNK_BY_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, num_warps: gl.constexpr):
         """The tile's LoRA delta as the accumulators' starting value (moe_gemm's expand_first): for each adapter
         slot s of the block, shrink rows of slot s (others 0) @ B[s, e]^T for gate and up, through s_smem [BM, BR]
         (the shrink rows), g_smem and u_smem [BN, BR] (gate and up B)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
-        offs_m = tile_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
-        offs_n = tile_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))  # [BN]
-        offs_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))  # [BR]
-        r_mask = gl.expand_dims(offs_r < R, 0)  # [1, BR]
-        pair = gl.load(sorted_pairs_ptr + offs_m)  # [BM]
-        valid = pair < P
-        slot = gl.load(token_slots_ptr + pair // top_k, mask=valid, other=-1)  # [BM]
-        if SHRUNK_BY_TOKEN:
-            s_rows = (pair // top_k).to(gl.int64)
-        else:
-            s_rows = offs_m.to(gl.int64)
-        s_ptrs = shrunk_ptr + gl.expand_dims(s_rows * stride_sm, 1) + gl.expand_dims(offs_r, 0)  # [BM, BR]
-        b_ptrs = lb_ptr + e.to(gl.int64) * stride_lbe + gl.expand_dims(offs_n * stride_lbn, 1) \
-            + gl.expand_dims(offs_r * stride_lbr, 0)  # [BN, BR] at slot 0, gate rows
+        slot, valid, r_mask, s_ptrs, b_ptrs = _expand_pointers(tile_m, tile_n, e, sorted_pairs_ptr, token_slots_ptr,
+                                                               shrunk_ptr, lb_ptr, P, top_k, R, stride_sm, stride_lbe,
+                                                               stride_lbn, stride_lbr, SHRUNK_BY_TOKEN, BLOCK_M,
+                                                               BLOCK_N, BLOCK_R, num_warps)  # b_ptrs: gate rows
         for s in range(lo, hi + 1):  # a block nearly always holds one slot
             shrunk = gl.load(s_ptrs, mask=gl.expand_dims(valid & (slot == s), 1) & r_mask, other=0.0)
             shrunk = shrunk.to(s_smem.dtype)  # a float32 shrink (dense_lora_shrink's) rounds as moe_gemm's does
