@@ -305,9 +305,8 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer, R):
     """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; 4 adapters (shared-outer or per-expert factors) of rank R
     (16: gate and up stacked 16; 32 / 64: PEFT's rank per projection, gate and up stacked 64 / 128, the grouped
     GEMM one pipeline stage shallower to fit shared memory, at rank 64 its expand in two rank chunks); bf16 vs fp32
-    reference. The sizes reach every CONFIGS entry
-    (TMA weights from 1024 tokens, half-height tail blocks from 2048, the block-ordered activation and the Gluon
-    GEMMs at 8192)."""
+    reference. The sizes reach every CONFIGS entry (TMA weights from 1024 tokens, half-height tail blocks from
+    2048, the block-ordered activation and the Gluon GEMMs at 8192)."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     E, k, H, I, S = 128, 8, 2048, 768, 4
     dev = "cuda"
