@@ -565,6 +565,7 @@ def moe_down_gluon(act: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, ali
     shrunk, B, R, expand_strides = act, act, 0, (0, 0, 0, 0, 0)
     if lora is not None:
         shrunk, B = lora
+        assert B.shape[1] == E, "a per-expert down B (one shared by all experts takes the pair shrink)"
         R = B.shape[3]
         expand_strides = (shrunk.stride(0), B.stride(0), B.stride(1), B.stride(2), B.stride(3))
     slotted = lora is not None or pair_shrink is not None
