@@ -2,6 +2,12 @@
 shapes: gate_up N=2*768 K=2048, down N=2048 K=768), and where one layer's time goes, component by component.
 
     python benchmarks/moe_tiles.py --tokens 2048,4096,16384 [--group-m 8] [--out tiles.csv]
+    python benchmarks/moe_tiles.py --tokens 4096 --lora [--layouts w_tma] [--out tiles.csv]
+
+`--lora`: each GEMM with a per-expert LoRA expand (PEFT's layout: gate_up rank 32, down rank 16, every row under one
+adapter, its shrink computed beforehand) as the fused MoE runs it (expand before the main loop, the pipeline depth
+cut where the operands need the shared memory: gemm_stages), compared against the same GEMM at the default tiles;
+the base GEMM at the default tiles is timed alongside, so a tile that only pays with LoRA shows as one.
 
 Layouts (kernels/fused_moe.py): `ptr` loads both operands through pointers (rows gathered by pair id);
 `w_tma` loads the expert weights through a TMA tensor descriptor; `sorted` (down only) reads the activation
@@ -18,7 +24,7 @@ import pandas as pd
 import torch
 import triton
 
-from lora_eval.kernels.fused_moe import fused_moe, moe_gemm, moe_sum, pick_config
+from lora_eval.kernels.fused_moe import fused_moe, moe_gemm, moe_lora_shrink, moe_sum, pick_config
 from lora_eval.kernels.moe_align import moe_align
 
 E, K_TOP, H, I = 128, 8, 2048, 768
@@ -45,6 +51,72 @@ def layout_args(gemm, layout):
     if layout == "w_tma":
         return dict(w_tma=True)
     return dict(w_tma=True, a_tma=True, a_sorted=True)
+
+
+def lora_sweep(T, g, rows, out_csv, layouts=None):
+    """Time each GEMM with a per-expert LoRA expand at every tile of the grid (and one pipeline stage less), against
+    the default tiles with and without the LoRA; outputs checked against the default tiles' LoRA output."""
+    bf = torch.bfloat16
+    R_GU, R_D = 32, 16
+    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
+    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
+    x = torch.randn(T, H, generator=g, device="cuda").to(bf)
+    ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
+    w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
+    act = torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf)  # [P, I]
+    slots = torch.zeros(T, dtype=torch.int32, device="cuda")  # every row under adapter slot 0 of 1
+    factor = lambda *shape: (0.02 * torch.randn(*shape, generator=g, device="cuda")).to(bf)  # noqa: E731
+    a_gu, b_gu, a_d, b_d = factor(1, E, R_GU, H), factor(1, E, 2 * I, R_GU), factor(1, E, R_D, I), factor(1, E, H, R_D)
+    config = pick_config(T, K_TOP, E)
+    align = moe_align(ids, E, config.block_m, slots, 1)
+    shrunk_gu = moe_lora_shrink(x, a_gu, align, rows_are_tokens=True, top_k=K_TOP)  # [NB * BM, 32]
+    shrunk_d = moe_lora_shrink(act, a_d, align, rows_are_tokens=False, top_k=K_TOP)  # [NB * BM, 16]
+    out = {"gate_up": torch.empty(T * K_TOP, I, device="cuda", dtype=bf),
+           "down": torch.empty(T * K_TOP, H, device="cuda", dtype=bf)}
+    common = dict(expand_first=config.expand_first, half_tail=config.half_tail)
+
+    def run(gemm, tiles, layout, lora=True):
+        kw = {**common, **layout_args(gemm, layout)}
+        if gemm == "gate_up":
+            extra = dict(lora_B=b_gu, shrunk=shrunk_gu) if lora else {}
+            return lambda: moe_gemm(x, w_gu, out[gemm], align, gated=True, rows_are_tokens=True, top_k=K_TOP,  # noqa: E731
+                                    config=tiles, **kw, **extra)
+        extra = dict(lora_B=b_d, shrunk=shrunk_d) if lora else {}
+        return lambda: moe_gemm(act, w_d, out[gemm], align, gated=False, rows_are_tokens=False, top_k=K_TOP,  # noqa: E731
+                                topk_weights=w, config=tiles, **kw, **extra)
+
+    for gemm in ("gate_up", "down"):
+        default_layout = "w_tma" if config.w_tma else "ptr"
+        default = config.tiles(gemm)
+        run(gemm, default, default_layout)()
+        ref = out[gemm].float().clone()
+        base_ms = time_graph(run(gemm, default, default_layout, lora=False))
+        lora_ms = time_graph(run(gemm, default, default_layout))
+        print(f"T={T} {gemm} default {default} ({default_layout}): base {base_ms:.4f} ms, LoRA {lora_ms:.4f} ms "
+              f"({lora_ms / base_ms:.3f}x)", flush=True)
+        grid = [dict(cfg, num_stages=stages) for cfg in tile_grid(T) for stages in (cfg["num_stages"], cfg["num_stages"] - 1)]
+        for cfg in grid:
+            if gemm == "gate_up" and cfg["BLOCK_N"] == 256:
+                continue  # two 128 x 256 fp32 accumulators do not fit the registers
+            for layout in layouts or LAYOUTS[gemm]:
+                if layout == "sorted":
+                    continue  # the shrink rows are by block row either way; the activation layout is the layer's
+                try:
+                    fn = run(gemm, cfg, layout)
+                    out[gemm].fill_(float("nan"))
+                    fn()
+                    err = ((out[gemm].float() - ref).norm() / ref.norm()).item()
+                    ms = time_graph(fn)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
+                    print(f"T={T} {gemm} {layout} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    if "illegal" in str(e):
+                        raise
+                    continue
+                rows.append(dict(tokens=T, gemm=gemm, layout=layout, ms=ms, rel_err=err, base_default_ms=base_ms,
+                                 lora_default_ms=lora_ms, **cfg))
+                if out_csv:
+                    pd.DataFrame(rows).to_csv(out_csv, index=False)
 
 
 def sweep(T, g, rows, out_csv, group_ms=(8,)):
@@ -133,11 +205,16 @@ def main():
     parser.add_argument("--tokens", default="2048,4096,16384")
     parser.add_argument("--out", default=None)
     parser.add_argument("--group-m", default="8", help="comma-separated GROUP_M values to sweep")
+    parser.add_argument("--lora", action="store_true", help="sweep the GEMMs with a per-expert LoRA expand")
+    parser.add_argument("--layouts", default=None, help="with --lora: comma-separated layouts (default all)")
     args = parser.parse_args()
     group_ms = tuple(int(v) for v in args.group_m.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
+        if args.lora:
+            lora_sweep(T, g, rows, args.out, args.layouts.split(",") if args.layouts else None)
+            continue
         tensors = sweep(T, g, rows, args.out, group_ms)
         components(T, tensors)
     table = pd.DataFrame(rows)
