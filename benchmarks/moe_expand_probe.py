@@ -13,17 +13,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 
 from lora_eval.kernels.fused_moe import moe_gemm, moe_lora_shrink, pick_config
 from lora_eval.kernels.moe_align import moe_align
 
-E, K_TOP, H, I = 128, 8, 2048, 768
-
-
-def time_graph(fn) -> float:
-    fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1000
+from moe_tiles import E, H, I, K_TOP, gemm_inputs, time_graph  # benchmarks/ is the script's folder
 
 
 def main():
@@ -32,12 +26,8 @@ def main():
     T = parser.parse_args().tokens
     bf = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
-    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
-    x = torch.randn(T, H, generator=g, device="cuda").to(bf)
-    ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
-    w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
-    act = torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf)  # [P, I]
+    t = gemm_inputs(T, g)
+    w_gu, w_d, x, ids, w, act = (t[k] for k in ("w_gu", "w_d", "x", "ids", "w", "act"))
     factor = lambda *shape: (0.02 * torch.randn(*shape, generator=g, device="cuda")).to(bf)  # noqa: E731
     a_gu, b_gu, a_d, b_d = factor(1, E, 32, H), factor(1, E, 2 * I, 32), factor(1, E, 16, I), factor(1, E, H, 16)
     config = pick_config(T, K_TOP, E)
@@ -48,10 +38,11 @@ def main():
     def gemms(align, lora=None, **kw):
         gu = dict(lora_B=b_gu, shrunk=lora[0]) if lora else {}
         dn = dict(lora_B=b_d, shrunk=lora[1]) if lora else {}
-        return (time_graph(lambda: moe_gemm(x, w_gu, out_gu, align, gated=True, rows_are_tokens=True, top_k=K_TOP,
-                                            config=config.tiles("gate_up"), **layout, **kw, **gu)),
-                time_graph(lambda: moe_gemm(act, w_d, out_d, align, gated=False, rows_are_tokens=False, top_k=K_TOP,
-                                            topk_weights=w, config=config.tiles("down"), **layout, **kw, **dn)))
+        gate_up = lambda: moe_gemm(x, w_gu, out_gu, align, gated=True, rows_are_tokens=True, top_k=K_TOP,  # noqa: E731
+                                   config=config.tiles("gate_up"), **layout, **kw, **gu)
+        down = lambda: moe_gemm(act, w_d, out_d, align, gated=False, rows_are_tokens=False, top_k=K_TOP,  # noqa: E731
+                                topk_weights=w, config=config.tiles("down"), **layout, **kw, **dn)
+        return 1000 * time_graph(gate_up), 1000 * time_graph(down)  # µs
 
     for name, slot in (("every row under the adapter", 0), ("no row under it (expand skipped)", -1)):
         align = moe_align(ids, E, config.block_m, torch.full((T,), slot, dtype=torch.int32, device="cuda"), 1)

@@ -53,17 +53,42 @@ def layout_args(gemm, layout):
     return dict(w_tma=True, a_tma=True, a_sorted=True)
 
 
+def gemm_inputs(T, g):
+    """Random bf16 operands of both GEMMs at T tokens: expert weights w_gu [E, 2I, H] and w_d [E, H, I], x [T, H],
+    top-k expert ids [T, k], routing weights w [P] (1/k each) and an activation act [P, I]."""
+    bf = torch.bfloat16
+    return dict(w_gu=(torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf),
+                w_d=(torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf),
+                x=torch.randn(T, H, generator=g, device="cuda").to(bf),
+                ids=torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices,
+                w=torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf),
+                act=torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf))
+
+
+def timed(fn, out, rel_err, what):
+    """(median ms, rel_err(out)) of fn, its output first poisoned with NaN; None (printed) for a config that does not
+    fit the GPU."""
+    try:
+        out.fill_(float("nan"))
+        fn()
+        err = rel_err(out)
+        ms = time_graph(fn)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
+        print(f"{what}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+        if "illegal" in str(e):
+            raise
+        return None
+    return ms, err
+
+
 def lora_sweep(T, g, rows, out_csv, layouts=None):
     """Time each GEMM with a per-expert LoRA expand at every tile of the grid (and one pipeline stage less), against
     the default tiles with and without the LoRA; outputs checked against the default tiles' LoRA output."""
     bf = torch.bfloat16
     R_GU, R_D = 32, 16
-    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
-    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
-    x = torch.randn(T, H, generator=g, device="cuda").to(bf)
-    ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
-    w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
-    act = torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf)  # [P, I]
+    t = gemm_inputs(T, g)
+    w_gu, w_d, x, ids, w, act = (t[k] for k in ("w_gu", "w_d", "x", "ids", "w", "act"))
     slots = torch.zeros(T, dtype=torch.int32, device="cuda")  # every row under adapter slot 0 of 1
     factor = lambda *shape: (0.02 * torch.randn(*shape, generator=g, device="cuda")).to(bf)  # noqa: E731
     a_gu, b_gu, a_d, b_d = factor(1, E, R_GU, H), factor(1, E, 2 * I, R_GU), factor(1, E, R_D, I), factor(1, E, H, R_D)
@@ -79,11 +104,11 @@ def lora_sweep(T, g, rows, out_csv, layouts=None):
         kw = {**common, **layout_args(gemm, layout)}
         if gemm == "gate_up":
             extra = dict(lora_B=b_gu, shrunk=shrunk_gu) if lora else {}
-            return lambda: moe_gemm(x, w_gu, out[gemm], align, gated=True, rows_are_tokens=True, top_k=K_TOP,  # noqa: E731
-                                    config=tiles, **kw, **extra)
+            return lambda: moe_gemm(x, w_gu, out[gemm], align, gated=True,  # noqa: E731
+                                    rows_are_tokens=True, top_k=K_TOP, config=tiles, **kw, **extra)
         extra = dict(lora_B=b_d, shrunk=shrunk_d) if lora else {}
-        return lambda: moe_gemm(act, w_d, out[gemm], align, gated=False, rows_are_tokens=False, top_k=K_TOP,  # noqa: E731
-                                topk_weights=w, config=tiles, **kw, **extra)
+        return lambda: moe_gemm(act, w_d, out[gemm], align, gated=False, rows_are_tokens=False,  # noqa: E731
+                                top_k=K_TOP, topk_weights=w, config=tiles, **kw, **extra)
 
     for gemm in ("gate_up", "down"):
         default_layout = "w_tma" if config.w_tma else "ptr"
@@ -94,25 +119,19 @@ def lora_sweep(T, g, rows, out_csv, layouts=None):
         lora_ms = time_graph(run(gemm, default, default_layout))
         print(f"T={T} {gemm} default {default} ({default_layout}): base {base_ms:.4f} ms, LoRA {lora_ms:.4f} ms "
               f"({lora_ms / base_ms:.3f}x)", flush=True)
-        grid = [dict(cfg, num_stages=stages) for cfg in tile_grid(T) for stages in (cfg["num_stages"], cfg["num_stages"] - 1)]
+        grid = [dict(cfg, num_stages=stages) for cfg in tile_grid(T)
+                for stages in (cfg["num_stages"], cfg["num_stages"] - 1)]
         for cfg in grid:
             if gemm == "gate_up" and cfg["BLOCK_N"] == 256:
                 continue  # two 128 x 256 fp32 accumulators do not fit the registers
             for layout in layouts or LAYOUTS[gemm]:
                 if layout == "sorted":
                     continue  # the shrink rows are by block row either way; the activation layout is the layer's
-                try:
-                    fn = run(gemm, cfg, layout)
-                    out[gemm].fill_(float("nan"))
-                    fn()
-                    err = ((out[gemm].float() - ref).norm() / ref.norm()).item()
-                    ms = time_graph(fn)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
-                    print(f"T={T} {gemm} {layout} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    if "illegal" in str(e):
-                        raise
+                result = timed(run(gemm, cfg, layout), out[gemm],
+                               lambda o: ((o.float() - ref).norm() / ref.norm()).item(), f"T={T} {gemm} {layout} {cfg}")
+                if result is None:
                     continue
+                ms, err = result
                 rows.append(dict(tokens=T, gemm=gemm, layout=layout, ms=ms, rel_err=err, base_default_ms=base_ms,
                                  lora_default_ms=lora_ms, **cfg))
                 if out_csv:
@@ -122,12 +141,8 @@ def lora_sweep(T, g, rows, out_csv, layouts=None):
 def sweep(T, g, rows, out_csv, group_ms=(8,)):
     """Time every (tile, layout) of both GEMMs; each result is also checked against the einsum of the same pairs."""
     bf = torch.bfloat16
-    w_gu = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H**0.5).to(bf)
-    w_d = (torch.randn(E, H, I, generator=g, device="cuda") / I**0.5).to(bf)
-    x = torch.randn(T, H, generator=g, device="cuda").to(bf)
-    ids = torch.topk(torch.randn(T, E, generator=g, device="cuda"), K_TOP).indices
-    w = torch.full((T * K_TOP,), 1.0 / K_TOP, device="cuda", dtype=bf)
-    act = torch.randn(T * K_TOP, I, generator=g, device="cuda").to(bf)  # [P, I]
+    t = gemm_inputs(T, g)
+    w_gu, w_d, x, ids, w, act = (t[k] for k in ("w_gu", "w_d", "x", "ids", "w", "act"))
     flat = ids.reshape(-1)
     sample = torch.arange(0, T * K_TOP, max(1, T * K_TOP // 64), device="cuda")  # 64 pairs checked
     gu = torch.einsum("ph,pnh->pn", x[sample // K_TOP].float(), w_gu[flat[sample]].float())
@@ -153,21 +168,15 @@ def sweep(T, g, rows, out_csv, group_ms=(8,)):
                     a = act_sorted if layout == "sorted" else act
                     fn = lambda: moe_gemm(a, w_d, out_d, align, gated=False, rows_are_tokens=False,  # noqa: E731
                                           top_k=K_TOP, topk_weights=w, config=cfg, half_tail=half_tail, **kw)
-                try:
-                    out.fill_(float("nan"))
-                    fn()
-                    err = ((out[sample].float() - ref[gemm]).norm() / ref[gemm].norm()).item()
-                    ms = time_graph(fn)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - configs that do not fit are skipped
-                    print(f"T={T} {gemm} {layout} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    if "illegal" in str(e):
-                        raise
+                result = timed(fn, out, lambda o: ((o[sample].float() - ref[gemm]).norm() / ref[gemm].norm()).item(),
+                               f"T={T} {gemm} {layout} {cfg}")
+                if result is None:
                     continue
+                ms, err = result
                 rows.append(dict(tokens=T, gemm=gemm, layout=layout, ms=ms, rel_err=err, **cfg))
                 if out_csv:
                     pd.DataFrame(rows).to_csv(out_csv, index=False)
-    return dict(x=x, ids=ids, w=w, w_gu=w_gu, w_d=w_d)
+    return t
 
 
 def components(T, t):
