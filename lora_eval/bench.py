@@ -40,9 +40,10 @@ from .adapters import load_adapter
 from .checkpoint import read_json
 from .engine import DTYPES, Batch, Engine
 from .errors import InputError, UnsupportedError
-from .models import load_model_from_tensors
+from .models import family_and_args, load_model_from_tensors
 from .models.layers import FusedExperts, Linear
 from .progress import progress
+from .trainer import quiet_libraries
 
 TARGETS = ("all", "attn", "experts")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -77,8 +78,6 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
             config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if isinstance(i, int) and i < layers]
         if isinstance(config.get("layer_types"), list):
             config["layer_types"] = config["layer_types"][:layers]
-    from .models import family_and_args
-
     family_and_args(config, path)  # our own checks (family, sizes) before transformers sees the config
     return config
 
@@ -332,8 +331,6 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
     results: dict[tuple[str, str, str], Timing] = {}
     passes: dict[tuple[str, str], int] = {}
     bar = progress(len(plan) * len(systems), "bench", "case", quiet)
-
-    from .trainer import quiet_libraries
 
     with quiet_libraries(), bar, tempfile.TemporaryDirectory(prefix="lora-eval-bench-") as tmp:
         hf = random_hf_model(config, torch_dtype, dev, seed)

@@ -1,4 +1,4 @@
-"""Reading local files: JSON / JSONL documents, and tensors from safetensors files (one, or shards behind an
+"""Reading local files: JSON documents, and tensors from safetensors files (one, or shards behind an
 index) — or from an in-memory dict with the same interface (TensorDict: random-weight benchmark models).
 
 Every failure (missing file, truncated or corrupt file, missing key, wrong shape) becomes an InputError
@@ -18,7 +18,7 @@ from .errors import InputError
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -33,22 +33,6 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise InputError(path, f"expected a JSON object, found {type(data).__name__}")
     return data
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """One JSON object per non-empty line of `path`; an InputError names the line that is not one."""
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(path, f"line {n} is not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise InputError(path, f"line {n}: expected a JSON object")
-        rows.append(row)
-    return rows
 
 
 class TensorFiles:

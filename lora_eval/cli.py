@@ -1,13 +1,35 @@
-"""The `lora-eval` command line (Click). Bad input exits 2 with one line naming the file and the key."""
+"""The `lora-eval` command line (Click): one exit-code contract for every command (errors.py): 0 pass, 1 a threshold
+crossed, 2 bad usage or input (one line naming the file and the key), 3 an internal error, 130 / 143 interrupted."""
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import sys
+from pathlib import Path
 
 import click
+import pandas as pd
+import torch
 
-from .errors import InputError
+from .bench import bench
+from .compare import compare
+from .demo import run_demo
+from .engine import DTYPES, EngineOptions
+from .errors import EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted
+from .inspection import inspect_adapters
+from .junit import compare_junit, mmlu_junit
+from .mmlu import mmlu
+from .report import phase_times, render, summary_text, verdict
+from .results import CompareResult
+from .runfolder import atomic_write, check_out
+from .trainer import dump_reference
+
+
+def notice(text: str) -> None:
+    """What a run says on the side (resuming, a lock taken over, a default applied): one line on stderr."""
+    click.echo(text, err=True)
 
 
 def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
@@ -23,6 +45,53 @@ def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
     return named
 
 
+def parse_references(values: tuple[str, ...]) -> list:
+    """FILE or NAME=FILE (NAME: whose logprobs a .pt dump holds; 'base' for the base model)."""
+    refs = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        refs.append((name, path) if sep and name and path and not Path(value).exists() else value)
+    return refs
+
+
+class Threshold(click.ParamType):
+    """A finite number >= 0 (negative, NaN and infinite values are refused as the arguments are parsed)."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"expected a finite number >= 0, got '{value}'", param, ctx)
+        if not math.isfinite(number) or number < 0:
+            self.fail(f"expected a finite number >= 0, got '{value}'", param, ctx)
+        return number
+
+
+def epilog(*examples: str) -> str:
+    return EXIT_CODES + "\n\n\b\nExamples:\n" + "\n".join(f"  {e}" for e in examples)
+
+
+def model_and_adapters(command):
+    command = click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
+                           help="A PEFT adapter folder (repeatable).")(command)
+    return click.option("--model", "model_dir", required=True, type=click.Path(),
+                        help="Local Hugging Face checkpoint folder.")(command)
+
+
+def device_options(command):
+    """--device, --dtype and --gate-up-layout: what every engine or trainer run needs."""
+    command = click.option(
+        "--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
+        help="Row order of a fused 3D gate_up LoRA: gate/up alternating, or all gate rows then all up rows "
+             "(needed for such adapters on GPT-OSS; PEFT target_parameters adapters are detected).")(command)
+    command = click.option("--dtype", default="auto", type=click.Choice(["auto", *DTYPES]), show_default=True,
+                           help="auto: bfloat16 on cuda, float32 on cpu.")(command)
+    return click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]), show_default=True,
+                        help="auto: cuda when torch sees a GPU, else cpu.")(command)
+
+
 def graph_options(command):
     """--no-cuda-graphs, --graph-buckets, --max-graph-memory (runners/graphs.py) for commands that run the engine."""
     command = click.option("--max-graph-memory", default=None, type=click.FloatRange(min=0), metavar="GB",
@@ -35,63 +104,70 @@ def graph_options(command):
                         help="Run every batch eagerly on the GPU (the CPU never uses graphs).")(command)
 
 
-def graph_settings(no_cuda_graphs: bool, graph_buckets: int, max_graph_memory: float | None) -> dict:
-    """`cuda_graphs` and `graph_plan` arguments (Engine.load) for the graph options."""
-    from .runners.graphs import BucketPlan
-
-    plan = BucketPlan(max_buckets=graph_buckets,
-                      max_memory=None if max_graph_memory is None else int(max_graph_memory * 2**30))
-    return dict(cuda_graphs=not no_cuda_graphs, graph_plan=plan)
+def run_options(command):
+    """--overwrite and --quiet: for commands that write a run folder or file."""
+    command = click.option("--quiet", is_flag=True, help="No progress bar (also quiet under CI=true).")(command)
+    return click.option("--overwrite", is_flag=True, help="Replace what --out holds (a run of other inputs, or of "
+                        "another command); a partial run of these very inputs is resumed either way.")(command)
 
 
-# the row order of fused 3D gate_up LoRA B, where the adapter files do not fix it (lora_eval/adapters/load.py)
-GATE_UP_LAYOUT = click.option(
-    "--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
-    help="Row order of a fused 3D gate_up LoRA: gate/up alternating, or all gate rows then all up rows "
-         "(needed for such adapters on GPT-OSS; PEFT target_parameters adapters are detected).")
+def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_buckets=32,
+                   max_graph_memory=None) -> EngineOptions:
+    memory = None if max_graph_memory is None else int(max_graph_memory * 2**30)
+    return EngineOptions(device=device, dtype=dtype, gate_up_layout=gate_up_layout, cuda_graphs=not no_cuda_graphs,
+                         graph_buckets=graph_buckets, max_graph_memory=memory).resolved()
 
 
 class Main(click.Group):
-    """Turns InputError into one line on stderr and exit code 2, and any other failure into one line and exit code
-    3 (never 1, which means "a threshold was crossed"); LORA_EVAL_DEBUG=1 shows the traceback instead."""
+    """Turns InputError into one line on stderr and exit code 2, Interrupted and Ctrl-C into 130 / 143, and any
+    other failure into one line and exit code 3 (never 1, which means "a threshold was crossed");
+    LORA_EVAL_DEBUG=1 shows the traceback instead."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except InputError as e:
             click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            sys.exit(EXIT_INPUT)
+        except Interrupted as e:
+            click.echo(f"{e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted by SIGINT", err=True)
+            sys.exit(128 + signal.SIGINT)
+        except click.UsageError as e:  # a bad option value: one line, like every other refusal
+            click.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(EXIT_INPUT)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except Exception as e:  # noqa: BLE001 - a failure we do not check for yet: say so in one line
             if os.environ.get("LORA_EVAL_DEBUG"):
                 raise
-            click.echo(f"error: unexpected {type(e).__name__}: {e} (a lora-eval bug or an input it does not check; "
-                       "LORA_EVAL_DEBUG=1 shows the traceback)", err=True)
-            sys.exit(3)
+            first = (str(e).strip().splitlines() or [""])[0]
+            click.echo(f"error: unexpected {type(e).__name__}: {first} (a lora-eval bug or an input it does not "
+                       "check; LORA_EVAL_DEBUG=1 shows the traceback)", err=True)
+            sys.exit(EXIT_INTERNAL)
 
 
-@click.group(cls=Main)
+@click.group(cls=Main, epilog=EXIT_CODES)
 @click.version_option(package_name="lora-eval")
 def cli():
     """Evaluate LoRA adapters on Mixture-of-Experts models against trainer references."""
 
 
-@cli.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder.")
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
-@GATE_UP_LAYOUT
+@cli.command(epilog=epilog("lora-eval inspect --model Qwen3-30B-A3B --adapter mine=runs/adapter-1200",
+                           "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved"))
+@model_and_adapters
+@click.option("--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
+              help="Row order of a fused 3D gate_up LoRA (see compare --help).")
 def inspect(model_dir, adapters, gate_up_layout):
     """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts."""
-    import pandas as pd
-
-    from .inspection import inspect_adapters
-
     summary, table = inspect_adapters(model_dir, parse_named_paths(adapters, "--adapter"), gate_up_layout)
     moe = f", {summary['experts']} experts top-{summary['top_k']} in {summary['sparse_layers']} layers" \
         if summary["experts"] else ""
+    quantized = f"; {summary['quantization']}" if summary["quantization"] else ""
     click.echo(f"model: {summary['model_type']}, {summary['layers']} layers, hidden {summary['hidden']}{moe}, "
-               f"vocab {summary['vocab']}")
+               f"vocab {summary['vocab']}{quantized}")
     for name, group in table.groupby("adapter", sort=False):
         click.echo(f"\nadapter {name}: layout {group['layout'].iloc[0]}, "
                    f"{int(group['params'].sum()):,} parameters")
@@ -99,147 +175,119 @@ def inspect(model_dir, adapters, gate_up_layout):
             click.echo(group.drop(columns=["adapter", "layout"]).to_string(index=False))
 
 
-def parse_references(values: tuple[str, ...]) -> list:
-    """FILE or NAME=FILE (NAME: whose logprobs a .pt dump holds; 'base' for the base model)."""
-    from pathlib import Path
-
-    refs = []
-    for value in values:
-        name, sep, path = value.partition("=")
-        refs.append((name, path) if sep and name and path and not Path(value).exists() else value)
-    return refs
-
-
-DTYPE = click.Choice(["float32", "bfloat16", "float16"])
-
-
-@cli.command(name="dump-reference")
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder.")
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
+@cli.command(name="dump-reference", epilog=epilog(
+    "lora-eval dump-reference --model MODEL --adapter mine=ADAPTER --prompts prompts.jsonl --out ref.parquet",
+    "lora-eval dump-reference --model MODEL --adapter a=A --adapter b=B --default-adapter a --prompts p.jsonl "
+    "--out ref.parquet --dtype float32"))
+@model_and_adapters
 @click.option("--prompts", required=True, type=click.Path(), help="JSONL: input_ids | text | prompt+response, "
-              "optional sample_id, adapter, mask.")
+              "optional sample_id, adapter (null: the base model), mask.")
 @click.option("--out", required=True, type=click.Path(), help="Reference dump to write (.parquet).")
-@click.option("--dtype", default="float32", type=DTYPE, show_default=True)
-@click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]), show_default=True)
-@GATE_UP_LAYOUT
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def dump_reference_cmd(model_dir, adapters, prompts, out, dtype, device, gate_up_layout, quiet):
+@click.option("--default-adapter", default=None, metavar="NAME",
+              help="Adapter of prompts without an 'adapter' field (default: the only --adapter given; 'base': the "
+                   "base model).")
+@device_options
+@run_options
+def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, device, dtype, gate_up_layout, overwrite,
+                       quiet):
     """Trainer-side reference logprobs from transformers + PEFT, in the native Parquet format."""
-    from .trainer import dump_reference
+    frame = dump_reference(model_dir, parse_named_paths(adapters, "--adapter"), prompts, out,
+                           options=engine_options(device, dtype, gate_up_layout), quiet=quiet, overwrite=overwrite,
+                           default_adapter=default_adapter, notice=notice)
+    click.echo(f"{out}: {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs)")
 
-    frame = dump_reference(model_dir, parse_named_paths(adapters, "--adapter"), prompts, out, dtype=dtype,
-                           device=device, quiet=quiet, gate_up_layout=gate_up_layout)
-    click.echo(f"wrote {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs) to {out}")
 
-
-@cli.command(name="compare")
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder.")
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
+@cli.command(name="compare", epilog=epilog(
+    "lora-eval compare --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/mine",
+    "lora-eval compare --model MODEL --adapter mine=ADAPTER --reference ref.jsonl --out runs/mine --max-k2 1e-3 "
+    "--junit junit.xml",
+    "lora-eval compare --model MODEL --reference base=dump.pt --out runs/base --device cpu --dtype float32"))
+@model_and_adapters
 @click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
               help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")
-@click.option("--out", required=True, type=click.Path(), help="Run folder for the reports.")
-@click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]), show_default=True)
-@click.option("--dtype", default="float32", type=DTYPE, show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="Run folder to write (its parent must exist).")
 @click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per forward batch.")
-@click.option("--max-k2", default=5e-3, type=float, show_default=True, help="Fail when k2 exceeds this.")
-@click.option("--max-mean-abs-diff", default=None, type=float, help="Fail when mean |d| exceeds this.")
+@click.option("--max-k2", default=5e-3, type=Threshold(), show_default=True, help="Fail when k2 exceeds this.")
+@click.option("--max-mean-abs-diff", default=None, type=Threshold(), help="Fail when mean |d| exceeds this.")
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
               help="Also write JUnit XML here: one testcase per adapter x threshold.")
-@GATE_UP_LAYOUT
+@device_options
 @graph_options
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def compare_cmd(model_dir, adapters, references, out, device, dtype, batch_tokens, max_k2, max_mean_abs_diff,
-                junit_path, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, quiet):
-    """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed."""
-    from .compare import compare
-
+@run_options
+def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, junit_path, device,
+                dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, overwrite, quiet):
+    """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed. A run into a folder
+    that holds this very run prints its summary; a killed run resumes where it stopped."""
+    check_out(junit_path, "--junit", single_file=True)
+    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory)
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
-                     device=device, dtype=dtype, batch_tokens=batch_tokens, max_k2=max_k2,
-                     max_mean_abs_diff=max_mean_abs_diff, quiet=quiet, gate_up_layout=gate_up_layout,
-                     **graph_settings(no_cuda_graphs, graph_buckets, max_graph_memory))
-    if junit_path:
-        from .junit import compare_junit, write_junit
-
-        write_junit(compare_junit(result.summary, result.run), junit_path)
-    _finish(result, out)
+                     options=options, batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
+                     quiet=quiet, overwrite=overwrite, notice=notice)
+    _finish(result, out, junit_path)
 
 
-@cli.command(name="mmlu")
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local Hugging Face checkpoint folder "
-              "(with its tokenizer).")
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR", help="A PEFT adapter folder (repeatable).")
+@cli.command(name="mmlu", epilog=epilog(
+    "lora-eval mmlu --model MODEL --adapter mine=ADAPTER --data mmlu/ --out runs/mmlu --max-drop 1",
+    "lora-eval mmlu --model MODEL --adapter a=A --data mmlu/ --out runs/quick --subjects anatomy,virology --limit 20"))
+@model_and_adapters
 @click.option("--data", required=True, type=click.Path(), help="MMLU folder: dev/ val/ test/ CSVs (the original "
               "release), cais/mmlu parquet files, or a folder saved by datasets.")
-@click.option("--out", required=True, type=click.Path(), help="Run folder for the tables and reports.")
+@click.option("--out", required=True, type=click.Path(), help="Run folder to write (its parent must exist).")
 @click.option("--split", default="test", type=click.Choice(["test", "val"]), show_default=True)
 @click.option("--shots", default=5, type=click.IntRange(min=0), show_default=True, help="Dev examples per prompt.")
 @click.option("--subjects", default=None, metavar="A,B,...", help="Only these subjects (default: all).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Only the first N questions per subject.")
-@click.option("--max-drop", default=None, type=click.FloatRange(min=0), metavar="POINTS",
+@click.option("--max-drop", default=None, type=Threshold(), metavar="POINTS",
               help="Exit 1 when an adapter's micro accuracy is more than this many percentage points below base.")
-@click.option("--device", default="cpu", type=click.Choice(["cpu", "cuda"]), show_default=True)
-@click.option("--dtype", default="float32", type=DTYPE, show_default=True)
 @click.option("--batch-tokens", default=16384, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per forward batch.")
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
               help="Also write JUnit XML here: one testcase per adapter for --max-drop.")
-@GATE_UP_LAYOUT
+@device_options
 @graph_options
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, device, dtype, batch_tokens,
-             junit_path, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, quiet):
+@run_options
+def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
+             device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, overwrite, quiet):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
-    from .mmlu import mmlu, summary_text, verdict
-
+    check_out(junit_path, "--junit", single_file=True)
+    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory)
     result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
-                  subjects=subjects, limit=limit, max_drop=max_drop, device=device, dtype=dtype,
-                  batch_tokens=batch_tokens, quiet=quiet, gate_up_layout=gate_up_layout,
-                  **graph_settings(no_cuda_graphs, graph_buckets, max_graph_memory))
-    if junit_path:
-        from .junit import mmlu_junit, write_junit
-
-        write_junit(mmlu_junit(result.summary, result.run), junit_path)
-    click.echo(summary_text(result))
-    click.echo(f"\nreport: {out}/report.html (markdown: {out}/mmlu.md)")
-    if not result.passed:
-        click.echo(verdict(result, max_drop), err=True)
-        sys.exit(1)
+                  subjects=subjects, limit=limit, max_drop=max_drop, options=options, batch_tokens=batch_tokens,
+                  quiet=quiet, overwrite=overwrite, notice=notice)
+    _finish(result, out, junit_path)
 
 
-@cli.command()
+@cli.command(epilog=epilog("lora-eval demo", "lora-eval demo --out /tmp/lora-eval-demo --quiet"))
 @click.option("--out", default="lora-eval-demo", type=click.Path(), show_default=True, help="Folder to build in.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def demo(out, quiet):
     """Build a tiny MoE model, two adapters and a trainer reference, then run compare on them."""
-    from .demo import run_demo
-
+    Path(out).mkdir(parents=True, exist_ok=True)
     click.echo(f"building a tiny Qwen3-MoE model, two adapters and a reference dump in {out}/ ...")
-    result = run_demo(out, quiet=quiet)
-    _finish(result, f"{out}/report")
+    _finish(run_demo(out, quiet=quiet, notice=notice), f"{out}/report", None)
 
 
-@cli.command()
+@cli.command(epilog=epilog("lora-eval report runs/mine > report.html",
+                           "lora-eval report runs/mmlu --format md --out mmlu.md"))
 @click.argument("run_dir", type=click.Path())
 @click.option("--format", "fmt", default="html", type=click.Choice(["html", "md"]), show_default=True)
 @click.option("--out", "out_path", default="-", type=click.Path(dir_okay=False, allow_dash=True),
               help="File to write; default: standard output.")
 def report(run_dir, fmt, out_path):
-    """Re-render a run folder's report (compare or mmlu) from its saved files, without recomputing."""
-    from pathlib import Path
-
-    from .html_report import render
-
+    """Re-render a complete run folder's report (compare or mmlu) from its saved files, without recomputing."""
+    if out_path != "-":
+        check_out(out_path, "--out", single_file=True)
     data = render(run_dir, fmt).encode("utf-8")
     if out_path == "-":
         click.echo(data, nl=False)  # bytes go to the binary stdout unchanged
     else:
-        if not Path(out_path).parent.is_dir():
-            raise InputError("--out", f"folder {Path(out_path).parent} does not exist")
-        Path(out_path).write_bytes(data)
+        atomic_write(Path(out_path), data)
 
 
-@cli.command(name="bench")
+@cli.command(name="bench", epilog=epilog(
+    "lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --layers 4 --batch 4x1024",
+    "lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --batch 1x128 --batch 8x2048"))
 @click.option("--config", "config_path", required=True, type=click.Path(),
               help="A published config.json (e.g. benchmarks/configs/Qwen3-30B-A3B.json); weights are random.")
 @click.option("--layers", default=None, type=click.IntRange(min=1), help="Keep only the first N decoder layers.")
@@ -249,8 +297,10 @@ def report(run_dir, fmt, out_path):
               help="all: PEFT all-linear (attention, router, experts); attn: q/k/v/o; experts: experts and router.")
 @click.option("--batch", "batches", multiple=True, default=("4x1024",), show_default=True, metavar="ROWSxTOKENS",
               help="Batch shape (repeatable: one model build serves every shape).")
-@click.option("--dtype", default="bfloat16", type=DTYPE, show_default=True)
-@click.option("--device", default="cuda", type=click.Choice(["cpu", "cuda"]), show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", *DTYPES]), show_default=True,
+              help="auto: bfloat16 on cuda, float32 on cpu.")
+@click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]), show_default=True,
+              help="auto: cuda when torch sees a GPU, else cpu.")
 @click.option("--repeat", default=5, type=click.IntRange(min=1), show_default=True, help="Timed calls (median).")
 @click.option("--warmup", default=2, type=click.IntRange(min=0), show_default=True)
 @click.option("--skip-hf", is_flag=True, help="Time our engine only.")
@@ -261,23 +311,21 @@ def report(run_dir, fmt, out_path):
 def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, device, repeat, warmup, skip_hf,
               also_eager, seed, out_path, quiet):
     """Our engine against transformers + PEFT on a random-weight model of a config's real shape."""
-    import pandas as pd
-    import torch
-
-    from .bench import bench
-
+    check_out(out_path, "--out", single_file=True)
+    options = EngineOptions(device=device, dtype=dtype).resolved()
     try:
         frame = bench(config_path, layers=layers, adapters=adapters, rank=rank, targets=targets, batches=batches,
-                      dtype=dtype, device=device, repeat=repeat, warmup=warmup, skip_hf=skip_hf,
+                      dtype=options.dtype, device=options.device, repeat=repeat, warmup=warmup, skip_hf=skip_hf,
                       also_eager=also_eager, seed=seed, quiet=quiet)
     except torch.OutOfMemoryError as e:
         click.echo(f"error: out of device memory building the model or adapters ({str(e).splitlines()[0][:120]}); "
                    "try fewer --layers or --adapters", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_INTERNAL)
     first = frame.iloc[0]
     click.echo(f"{first['model']}: {first['layers']} layers, {adapters} adapters of rank {rank} ({targets}), "
-               f"{dtype} on {first['device_name']}; torch {first['torch']}, transformers {first['transformers']} "
-               f"(experts {first['hf_experts']}, attention {first['hf_attention']}), peft {first['peft']}")
+               f"{options.dtype} on {first['device_name']}; torch {first['torch']}, transformers "
+               f"{first['transformers']} (experts {first['hf_experts']}, attention {first['hf_attention']}), "
+               f"peft {first['peft']}")
     shown = ["system", "batch", "case", "passes", "ms_per_batch", "tokens_per_s", "tflops", "peak_mem_gb",
              "cost_vs_base", "vs_hf", "max_abs_diff", "status"]
     with pd.option_context("display.width", 200, "display.max_rows", 200, "display.float_format", "{:.4g}".format):
@@ -285,20 +333,29 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
     for note in dict.fromkeys(n for n in frame["note"] if n):
         click.echo(f"note: {note}")
     if out_path:
-        frame.to_csv(out_path, index=False)
+        atomic_write(Path(out_path), frame.to_csv(index=False).encode("utf-8"))
         click.echo(f"wrote {out_path}")
 
 
-def _finish(result, out):
-    from .report import summary_table
-
-    click.echo(summary_table(result.summary))
-    click.echo(f"\nreport: {out}/report.html (markdown: {out}/report.md)")
+def _finish(result, out, junit_path) -> None:
+    """The summary, phase times and where the reports are; JUnit XML if asked; the exit code of the result."""
+    if junit_path:
+        xml = compare_junit(result.summary, result.run) if isinstance(result, CompareResult) else \
+            mmlu_junit(result.summary, result.run)
+        atomic_write(Path(junit_path), xml.encode("utf-8"))
+    click.echo(summary_text(result))
+    click.echo(f"\ntime: {phase_times(result.run)}")
+    md = "report.md" if isinstance(result, CompareResult) else "mmlu.md"
+    click.echo(f"report: {out}/report.html (markdown: {out}/{md})")
     if not result.passed:
-        failed = [f"{r.adapter} ({r.failed})" for r in result.summary.itertuples() if not r.passed]
-        click.echo("FAILED: " + "; ".join(failed), err=True)
-        sys.exit(1)
+        click.echo(verdict(result), err=True)
+    sys.exit(result.exit_code)
 
 
 def main():
+    signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: stop with the exit code 143, cleaning up as we go
     cli(prog_name="lora-eval")
+
+
+def _terminate(signum, frame):
+    raise Interrupted(signum)

@@ -1,129 +1,125 @@
 """`compare`: the engine's logprobs against trainer reference dumps, per token, sample, adapter and overall.
 
-A thin layer over `Engine.logprobs`: read and check the references, batch them by length under a token
-budget (adapters mixed in a batch), run, and turn the differences into the metrics of `metrics.py`.
+A thin layer over `Engine.logprobs`: read and check the references (before any model is loaded), batch them by
+length under a token budget (adapters mixed in a batch), run the batches as resumable units of a run folder, and
+turn the differences into the metrics of `metrics.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from .batching import make_batches, padding_waste
-from .engine import Batch, Engine
-from .runners.graphs import BucketPlan
+from .engine import Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
-from .html_report import load_tokenizer, worst_tokens
+from .inputs import adapter_names, model_config, positive_int, threshold
 from .metrics import check_thresholds, group_metrics
-from .progress import progress
-from .references import BASE, read_reference
+from .names import BASE, OVERALL
+from .references import read_reference
+from .report import report_files
+from .results import COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, read_run, table_files
+from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
+from .tokenizer import load_tokenizer
 
-OVERALL = "overall"
-SUMMARY_COLUMNS = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3",
-                   "mult_prob_error", "passed"]
-
-
-@dataclass
-class CompareResult:
-    summary: pd.DataFrame  # one row per adapter ('base' for the base model) plus 'overall'
-    samples: pd.DataFrame  # one row per sample
-    tokens: pd.DataFrame  # one row per predicted token
-    run: dict = field(default_factory=dict)  # arguments, versions, timings, file hashes
-    worst: pd.DataFrame = field(default_factory=pd.DataFrame)  # worst tokens per adapter, decoded with context
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.summary["passed"].all())
+CONTEXT_TOKENS = 12  # tokens of context shown before a worst token
 
 
 def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
-            references: list | tuple = (), *, out: str | Path | None = None, device: str = "cpu",
-            dtype: str = "float32", batch_tokens: int = 4096, max_k2: float | None = 5e-3,
-            max_mean_abs_diff: float | None = None, quiet: bool = False,
-            gate_up_layout: str | None = None, cuda_graphs: bool = True,
-            graph_plan: BucketPlan | None = None) -> CompareResult:
-    """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write)
-    the summary, per-sample and per-token tables. `references` holds paths or (adapter name, path) pairs.
-    `gate_up_layout`: the row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py).
-    `cuda_graphs`, `graph_plan`: CUDA graphs on a GPU, as for `Engine.load` (runners/graphs.py)."""
-    adapters = dict(adapters or {})
-    arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                     references=[_ref_arg(r) for r in references], device=device, dtype=dtype,
-                     batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
-                     gate_up_layout=gate_up_layout)
-    for name in adapters:
-        if name in (BASE, OVERALL):
-            raise InputError("--adapter", f"'{name}' is reserved for reports; choose another adapter name")
+            references: list | tuple = (), *, out: str | Path | None = None, options: EngineOptions | None = None,
+            batch_tokens: int = 4096, max_k2: float | None = 5e-3, max_mean_abs_diff: float | None = None,
+            quiet: bool = False, overwrite: bool = False, engine: Engine | None = None,
+            notice=print) -> CompareResult:
+    """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write) the
+    summary, per-sample and per-token tables. `references` holds paths or (adapter name, path) pairs. With `out`,
+    the run is a run folder (runfolder.py): a complete run of the same inputs there is returned as saved, without
+    recomputing; a partial one is resumed; another run there is refused unless `overwrite`. `engine`: an engine
+    already built (its adapters replace `adapters`; `model` then supplies config and tokenizer)."""
+    t_start = time.perf_counter()
+    options = (options or EngineOptions()).resolved()
+    adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
+    max_k2, max_mean_abs_diff = threshold(max_k2, "--max-k2"), threshold(max_mean_abs_diff, "--max-mean-abs-diff")
+    batch_tokens = positive_int(batch_tokens, "--batch-tokens")
     if not references:
         raise InputError("--reference", "at least one reference dump is needed")
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise InputError("--out", f"{out} exists and is not a folder")
-    if batch_tokens < 1:
-        raise InputError("--batch-tokens", f"must be positive, got {batch_tokens}")
+    out = check_out(out)
+    arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
+                     references=[_ref_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
+                     max_mean_abs_diff=max_mean_abs_diff)
     timings = {}
     t0 = time.perf_counter()
-    refs = _read_references(references, adapters)
-    engine = Engine.load(model, adapters, dtype=dtype, device=device, gate_up_layout=gate_up_layout,
-                         cuda_graphs=cuda_graphs, graph_plan=graph_plan)
-    vocab = engine.model.args.vocab_size
-    for row in refs.itertuples():
-        bad = [t for t in row.input_ids if not 0 <= t < vocab]
-        if bad:
-            raise InputError(row.file, f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})",
-                             key=f"sample {row.sample_id}")
-    timings["load_s"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
+    refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
+    parsed = None if engine is not None else read_adapters(model, adapters, options)
     lengths = [len(ids) for ids in refs["input_ids"]]
     batches = make_batches(lengths, batch_tokens)
-    engine_lp: list = [None] * len(refs)
-    with progress(sum(lengths), "compare", "tok", quiet) as bar:
-        for batch in batches:
-            rows = refs.iloc[batch]
-            tags = [a if isinstance(a, str) else None for a in rows["adapter"]]
-            result = engine.logprobs(Batch(list(rows["input_ids"]), tags))
-            for i, lp in zip(batch, result):
-                engine_lp[i] = lp.numpy()
-            bar.update(sum(lengths[i] for i in batch))
-    timings["forward_s"] = time.perf_counter() - t0
+    timings["read_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    tokens = _token_table(refs, engine_lp)
-    samples = group_metrics(tokens, ["adapter", "sample_id"])
-    per_adapter = group_metrics(tokens, ["adapter"])
-    overall = group_metrics(tokens, []).assign(adapter=OVERALL)
-    summary = check_thresholds(pd.concat([per_adapter, overall], ignore_index=True), max_k2, max_mean_abs_diff)
-    summary = summary[SUMMARY_COLUMNS + [c for c in summary.columns if c not in SUMMARY_COLUMNS]]
-    tokenizer = load_tokenizer(model)
-    worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
-    timings["metrics_s"] = time.perf_counter() - t0
-    run = dict(arguments=arguments, versions=_versions(), timings=timings,
-               batches=len(batches), padding_waste=padding_waste(lengths, batches),
-               tokens_per_s=sum(lengths) / max(timings["forward_s"], 1e-9),
-               files=_hashes(model, adapters, references), tokenizer=str(model) if tokenizer else None,
-               cuda_graphs=engine.graph_stats())
-    result = CompareResult(summary=summary, samples=samples, tokens=tokens, run=run, worst=worst)
-    if out is not None:
-        write_outputs(result, Path(out))
+    task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
+                        max_mean_abs_diff=max_mean_abs_diff, engine="given" if engine is not None else "loaded")
+    files = {**model_files(model), **adapter_files(adapters),
+             **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
+                for i, r in enumerate(references)}}
+    with RunFolder(out, "compare", fingerprint("compare", files, task_options, versions()),
+                   dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:
+        if folder.stored is not None:
+            return read_run(out)
+        t0 = time.perf_counter()
+        engine = engine or Engine.load(model, parsed, options)
+        timings["load_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        with folder.work([sum(lengths[i] for i in b) for b in batches], "compare", "tok", quiet) as work:
+            for b in work.pending(range(len(batches))):
+                rows = refs.iloc[batches[b]]
+                tags = [a if isinstance(a, str) else None for a in rows["adapter"]]
+                logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags))
+                work.record(b, pd.DataFrame(dict(sample=batches[b], logprobs=[lp.numpy() for lp in logprobs])))
+        timings["forward_s"] = time.perf_counter() - t0
+        engine_lp = [None] * len(refs)
+        for frame in work.results().values():
+            for i, lp in zip(frame["sample"], frame["logprobs"]):
+                engine_lp[i] = np.asarray(lp, dtype=np.float32)
+
+        t0 = time.perf_counter()
+        tokens = _token_table(refs, engine_lp)
+        samples = group_metrics(tokens, ["adapter", "sample_id"])
+        per_adapter = group_metrics(tokens, ["adapter"])
+        overall = group_metrics(tokens, []).assign(adapter=OVERALL)
+        summary = check_thresholds(pd.concat([per_adapter, overall], ignore_index=True), max_k2, max_mean_abs_diff)
+        summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns if c not in COMPARE_SUMMARY_COLUMNS]]
+        tokenizer = load_tokenizer(model)
+        worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
+        timings["metrics_s"] = time.perf_counter() - t0
+        timings["total_s"] = time.perf_counter() - t_start
+        run = dict(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype),
+                   versions=folder.fingerprint["versions"], timings=timings, work=work.stats(),
+                   batches=len(batches), padding_waste=padding_waste(lengths, batches),
+                   tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9),
+                   quantization=engine.model.args.quantization, files=folder.fingerprint["files"],
+                   tokenizer=str(model) if tokenizer else None,
+                   cuda_graphs=engine.graph_stats())
+        result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run)
+        result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
+        folder.commit({**table_files(result), **report_files(result)}, result.run)
     return result
+
+
+def _ref_path(ref) -> str:
+    return ref[1] if isinstance(ref, tuple) else ref
 
 
 def _ref_arg(ref) -> str:
     return f"{ref[0]}={ref[1]}" if isinstance(ref, tuple) else str(ref)
 
 
-def _read_references(references, adapters: dict) -> pd.DataFrame:
+def _read_references(references, adapters: dict, vocab_size: int) -> pd.DataFrame:
     frames = []
     for ref in references:
         name, path = ref if isinstance(ref, tuple) else (None, ref)
-        frame = read_reference(path, adapter=name)
+        frame = read_reference(path, adapter=name, vocab_size=vocab_size)
         frame["file"] = str(path)
         unknown = sorted({a for a in frame["adapter"].dropna() if a not in adapters})
         if unknown:
@@ -158,50 +154,26 @@ def _token_table(refs: pd.DataFrame, engine_lp: list) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
-def _versions() -> dict:
-    import peft
-    import torch
-    import transformers
-
-    from . import __version__
-    return {"lora_eval": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "peft": peft.__version__}
-
-
-def _hashes(model, adapters: dict, references) -> dict:
-    """sha256 of the reference files, adapter files and model config; sizes of the model's weight files."""
-    def sha(path: Path) -> str:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
-
-    files = {}
-    model = Path(model)
-    files[str(model / "config.json")] = sha(model / "config.json")
-    for weights in sorted(model.glob("*.safetensors")):
-        files[str(weights)] = f"{weights.stat().st_size} bytes"
-    for path in adapters.values():
-        for f in sorted(Path(path).glob("adapter_*")):
-            files[str(f)] = sha(f)
-    for ref in references:
-        path = Path(ref[1] if isinstance(ref, tuple) else ref)
-        files[str(path)] = sha(path)
-    return files
+def worst_tokens(tokens: pd.DataFrame, input_ids: dict[str, list[int]], tokenizer=None,
+                 per_adapter: int = WORST_PER_ADAPTER, context: int = CONTEXT_TOKENS) -> pd.DataFrame:
+    """The `per_adapter` masked tokens with the largest |d| of each adapter, with the decoded token and the
+    `context` tokens before it (token ids in brackets when there is no tokenizer)."""
+    masked = tokens[tokens["mask"].astype(bool)].assign(abs_d=lambda t: t["d"].abs())
+    rows = []
+    for _, group in masked.groupby("adapter", sort=False):
+        top = group.sort_values(["abs_d", "sample_id", "position"], ascending=[False, True, True],
+                                kind="mergesort").head(per_adapter)
+        for row in top.itertuples():
+            ids = list(input_ids[row.sample_id])
+            p = int(row.position)  # predicts ids[p + 1] from ids[:p + 1]
+            rows.append(dict(adapter=row.adapter, sample_id=row.sample_id, position=p, token_id=int(row.token_id),
+                             token=_decode(tokenizer, [ids[p + 1]]),
+                             context=_decode(tokenizer, ids[max(0, p + 1 - context):p + 1]),
+                             ref=row.ref, engine=row.engine, d=row.d, sampler=row.sampler))
+    return pd.DataFrame(rows, columns=WORST_COLUMNS)
 
 
-def write_outputs(result: CompareResult, out: Path) -> None:
-    """summary.csv, samples.csv, tokens.parquet, worst_tokens.parquet, report.md, report.html and run.json
-    under `out`."""
-    from .html_report import compare_html
-    from .report import markdown_report
-
-    out.mkdir(parents=True, exist_ok=True)
-    result.summary.to_csv(out / "summary.csv", index=False)
-    result.samples.to_csv(out / "samples.csv", index=False)
-    result.tokens.to_parquet(out / "tokens.parquet", index=False)
-    result.worst.to_parquet(out / "worst_tokens.parquet", index=False)
-    (out / "report.md").write_text(markdown_report(result), encoding="utf-8")
-    (out / "report.html").write_text(compare_html(result), encoding="utf-8")
-    (out / "run.json").write_text(json.dumps(result.run, indent=2, default=str) + "\n")
+def _decode(tokenizer, ids: list[int]) -> str:
+    if tokenizer is None:
+        return "".join(f"[{i}]" for i in ids)
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

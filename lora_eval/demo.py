@@ -9,6 +9,10 @@ from pathlib import Path
 
 import torch
 
+from .compare import compare
+from .engine import EngineOptions
+from .trainer import dump_reference, quiet_libraries
+
 DEMO_TEXT = """Mixture-of-experts models route every token to a few experts out of many.
 A LoRA adapter adds a low-rank update to each projection it targets, experts included.
 The trainer computed logprobs for the tokens it saw; the serving engine must compute the same numbers.
@@ -125,11 +129,9 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def run_demo(out: str | Path, quiet: bool = False):
-    """Build everything under `out` and run compare; returns the CompareResult."""
-    from .compare import compare
-    from .trainer import dump_reference, quiet_libraries
-
+def run_demo(out: str | Path, quiet: bool = False, options: EngineOptions | None = None, notice=print):
+    """Build everything under `out`, dump the trainer reference (float32) and run compare as `options` say (the
+    machine's defaults: the GPU in bfloat16 where there is one); returns the CompareResult."""
     out = Path(out)
     model_dir = out / "model"
     with quiet_libraries():
@@ -139,5 +141,6 @@ def run_demo(out: str | Path, quiet: bool = False):
                     ADAPTERS[1]: build_tinker_adapter(model_dir, out / "adapters" / ADAPTERS[1])}
     prompts = write_prompts(out / "prompts.jsonl")
     reference = out / "reference.parquet"
-    dump_reference(model_dir, adapters, prompts, reference, quiet=quiet)
-    return compare(model_dir, adapters, [reference], out=out / "report", quiet=quiet)
+    dump_reference(model_dir, adapters, prompts, reference, options=EngineOptions(dtype="float32"), quiet=quiet,
+                   notice=notice)
+    return compare(model_dir, adapters, [reference], out=out / "report", options=options, quiet=quiet, notice=notice)

@@ -8,19 +8,70 @@ never exists for the whole batch. A row with no adapter gets exactly the base mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .adapters import AdapterStack, load_adapter
+from .adapters import Adapter, AdapterStack, load_adapter
 from .errors import InputError
 from .forward import BACKENDS, Forward
 from .models import load_model
 from .runners.graphs import BucketPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
 LOGITS_BUDGET = 1 << 24  # float32 logits held at once (64 MiB)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs, as one object from the command line or the API down to `Engine.load`.
+
+    device: "auto" (cuda when torch sees a GPU, else cpu), "cpu", "cuda" or "cuda:N". dtype: "auto" (bfloat16 on
+    cuda, float32 on cpu) or a DTYPES name. backend: "torch" or "triton" (None: triton on cuda). gate_up_layout: the
+    row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py). cuda_graphs: replay
+    captured forwards on a GPU, at most graph_buckets graphs and max_graph_memory bytes of pool (runners/graphs.py)."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str | None = None
+    gate_up_layout: str | None = None
+    cuda_graphs: bool = True
+    graph_buckets: int = 32
+    max_graph_memory: int | None = None
+
+    def resolved(self) -> "EngineOptions":
+        """The same options with "auto" replaced by what this machine gives; InputError on a bad value."""
+        device, dtype = self.device, self.dtype
+        if not isinstance(device, str) or not (device in DEVICES or device.startswith("cuda:")):
+            raise InputError("--device", f"'{device}' is not one of {', '.join(DEVICES)} (or cuda:N)")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise InputError("--device", "CUDA was asked for but torch sees no GPU")
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        if dtype not in DTYPES:
+            raise InputError("--dtype", f"'{dtype}' is not one of auto, {', '.join(DTYPES)}")
+        return replace(self, device=device, dtype=dtype)
+
+    def record(self) -> dict:
+        """What a run record and a run's fingerprint keep of the options (resolve first)."""
+        device = self.device
+        graphs = dict(max_buckets=self.graph_buckets, max_memory=self.max_graph_memory) if self.cuda_graphs else None
+        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+        return dict(device=device, device_name=name, dtype=self.dtype,
+                    backend=self.backend or ("triton" if device.startswith("cuda") else "torch"),
+                    gate_up_layout=self.gate_up_layout, cuda_graphs=graphs)
+
+
+def read_adapters(model_dir: str | Path, adapters: dict[str, str | Path] | None,
+                  options: EngineOptions | None = None) -> list[Adapter]:
+    """Every adapter read and checked against the checkpoint's config and tensor shapes (no weights loaded)."""
+    shapes = load_model(model_dir, device="meta")
+    layout = (options or EngineOptions()).gate_up_layout
+    return [load_adapter(path, name, shapes, layout) for name, path in (adapters or {}).items()]
 
 
 @dataclass
@@ -54,22 +105,16 @@ class Engine:
             self.graphs = GraphRunner(self._build, device, graph_plan)
 
     @classmethod
-    def load(cls, model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *,
-             dtype: str | torch.dtype = "float32", device: str = "cpu", backend: str | None = None,
-             gate_up_layout: str | None = None, cuda_graphs: bool = True,
-             graph_plan: BucketPlan | None = None) -> "Engine":
-        """Engine for a local checkpoint and named PEFT adapter folders. `gate_up_layout` ("interleaved" or
-        "concatenated"): the row order of fused 3D gate_up LoRA, where the files do not fix it (adapters/load.py).
-        `cuda_graphs`, `graph_plan`: replay captured forwards on a GPU (runners/graphs.py)."""
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
-            dtype = DTYPES[dtype]
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError("--device", "CUDA was asked for but torch sees no GPU")
-        model = load_model(model_dir, dtype=dtype, device=device)
-        adapters = [load_adapter(path, name, model, gate_up_layout) for name, path in (adapters or {}).items()]
-        return cls(model, adapters, backend=backend, cuda_graphs=cuda_graphs, graph_plan=graph_plan)
+    def load(cls, model_dir: str | Path, adapters: dict[str, str | Path] | list[Adapter] | None = None,
+             options: EngineOptions | None = None) -> "Engine":
+        """Engine for a local checkpoint and adapters ({name: PEFT folder}, or what `read_adapters` returned), run
+        as `options` say. Adapters are read and checked against the checkpoint's shapes before any weight loads."""
+        options = (options or EngineOptions()).resolved()
+        if not isinstance(adapters, list):
+            adapters = read_adapters(model_dir, adapters, options)
+        model = load_model(model_dir, dtype=DTYPES[options.dtype], device=options.device)
+        plan = BucketPlan(max_buckets=options.graph_buckets, max_memory=options.max_graph_memory)
+        return cls(model, adapters, backend=options.backend, cuda_graphs=options.cuda_graphs, graph_plan=plan)
 
     @property
     def adapter_names(self) -> list[str]:

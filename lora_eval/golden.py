@@ -20,6 +20,11 @@ import click
 import pandas as pd
 
 from . import demo
+from .cli import cli
+from .engine import EngineOptions
+from .errors import InputError
+from .references import read_reference, write_reference
+from .trainer import dump_reference, quiet_libraries
 
 GOLDEN = "demo-golden.parquet"
 # float32 engine against float32 transformers + PEFT: k2 ~ 1e-13 and mean |d| ~ 5e-7 on the demo model, so
@@ -30,8 +35,6 @@ MAX_MEAN_ABS_DIFF = 1e-5
 
 def build_inputs(out: str | Path) -> tuple[Path, dict[str, Path]]:
     """The demo's tokenizer, model and two adapters under `out` (seeded, as `lora-eval demo` builds them)."""
-    from .trainer import quiet_libraries
-
     out = Path(out)
     model_dir = out / "model"
     with quiet_libraries():
@@ -46,14 +49,12 @@ def golden_frame(work: str | Path, inputs: tuple[Path, dict[str, Path]] | None =
                  quiet: bool = True) -> pd.DataFrame:
     """The golden reference rows: float32 logprobs from transformers + PEFT, bf16 ones as sampler_logprobs.
     `inputs`: (model_dir, adapters) already made by `build_inputs`; built in `work` when None."""
-    from .references import read_reference
-    from .trainer import dump_reference
-
     work = Path(work)
     model_dir, adapters = inputs if inputs is not None else build_inputs(work)
     prompts = demo.write_prompts(work / "prompts.jsonl")
-    dump_reference(model_dir, adapters, prompts, work / "float32.parquet", quiet=quiet)
-    dump_reference(model_dir, adapters, prompts, work / "bfloat16.parquet", dtype="bfloat16", quiet=quiet)
+    for dtype in ("float32", "bfloat16"):
+        dump_reference(model_dir, adapters, prompts, work / f"{dtype}.parquet",
+                       options=EngineOptions(device="cpu", dtype=dtype), quiet=quiet, notice=lambda _: None)
     trainer, sampler = read_reference(work / "float32.parquet"), read_reference(work / "bfloat16.parquet")
     assert list(trainer["sample_id"]) == list(sampler["sample_id"])  # same prompts file, same order
     return trainer.assign(sampler_logprobs=sampler["logprobs"])
@@ -61,8 +62,6 @@ def golden_frame(work: str | Path, inputs: tuple[Path, dict[str, Path]] | None =
 
 def write_golden(references_dir: str | Path, quiet: bool = True) -> Path:
     """Regenerate references/demo-golden.parquet (everything built in a temporary folder)."""
-    from .references import write_reference
-
     references_dir = Path(references_dir)
     references_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
@@ -76,7 +75,8 @@ def regression_args(references_dir: str | Path, out: str | Path, model_dir: Path
     args = ["compare", "--model", str(model_dir)]
     for name, path in adapters.items():
         args += ["--adapter", f"{name}={path}"]
-    return args + ["--reference", str(Path(references_dir) / GOLDEN), "--max-k2", f"{MAX_K2:g}",
+    return args + ["--reference", str(Path(references_dir) / GOLDEN), "--device", "cpu", "--dtype", "float32",
+                   "--max-k2", f"{MAX_K2:g}",
                    "--max-mean-abs-diff", f"{MAX_MEAN_ABS_DIFF:g}", "--out", str(out / "run"),
                    "--junit", str(out / "junit.xml"), "--quiet"]
 
@@ -101,12 +101,8 @@ def write(references_dir):
 def check(out, references_dir):
     """The regression: build the demo model and adapters in OUT/inputs, then `lora-eval compare` them against
     the golden dump with tight thresholds (reports in OUT/run, JUnit in OUT/junit.xml). Exits as compare does."""
-    from .cli import cli
-
     golden_path = Path(references_dir) / GOLDEN
     if not golden_path.is_file():
-        from .errors import InputError
-
         click.echo(f"error: {InputError(golden_path, 'golden dump not found')}", err=True)
         sys.exit(2)
     model_dir, adapters = build_inputs(Path(out) / "inputs")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pandas as pd
 
@@ -29,7 +28,7 @@ def _num(value) -> str:
 
 def _suite(name: str, cases: list[ET.Element], run: dict) -> ET.Element:
     timings = run.get("timings", {})
-    seconds = sum(v for v in timings.values() if isinstance(v, (int, float)))
+    seconds = timings.get("total_s", sum(v for v in timings.values() if isinstance(v, (int, float))))
     failures = sum(1 for c in cases if c.find("failure") is not None)
     suites = ET.Element("testsuites", name=name, tests=str(len(cases)), failures=str(failures), errors="0",
                         time=f"{seconds:.3f}")
@@ -107,8 +106,3 @@ def _xml(root: ET.Element) -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_junit(text: str, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path

@@ -6,29 +6,32 @@ optional mask and sampler_logprobs (same length). The format is specified in ref
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .checkpoint import read_jsonl
 from .errors import InputError
+from .inputs import read_jsonl
+from .names import BASE
 
 COLUMNS = ["sample_id", "adapter", "input_ids", "logprobs", "mask", "sampler_logprobs"]
 SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("adapter", pa.string()), ("input_ids", pa.list_(pa.int64())),
     ("logprobs", pa.list_(pa.float32())), ("mask", pa.list_(pa.bool_())), ("sampler_logprobs", pa.list_(pa.float32())),
 ])
-BASE = "base"  # how reports name the base model (adapter = None); not allowed as an adapter name
 
 
-def read_reference(path: str | Path, adapter: str | None = None) -> pd.DataFrame:
+def read_reference(path: str | Path, adapter: str | None = None, vocab_size: int | None = None) -> pd.DataFrame:
     """A validated reference DataFrame with COLUMNS. `adapter`, if given, is whose logprobs these are
-    (required for .pt dumps, which carry no adapter column; 'base' means the base model)."""
+    (required for .pt dumps, which carry no adapter column; 'base' means the base model). `vocab_size`: the
+    model's, which every token id must fall inside."""
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "reference file not found")
@@ -39,7 +42,8 @@ def read_reference(path: str | Path, adapter: str | None = None) -> pd.DataFrame
         except (pa.ArrowException, OSError) as e:
             raise InputError(path, f"not a readable Parquet file ({e})") from None
     elif suffix in (".jsonl", ".json"):
-        frame = pd.DataFrame(read_jsonl(path))
+        lines = read_jsonl(path)
+        frame = pd.DataFrame([row for _, row in lines]).assign(_where=[f"line {n}" for n, _ in lines])
     elif suffix == ".pt":
         if adapter is None:
             raise InputError(path, "a .pt dump has no adapter column: give it as NAME=FILE.pt (NAME 'base' for the "
@@ -49,7 +53,7 @@ def read_reference(path: str | Path, adapter: str | None = None) -> pd.DataFrame
         raise InputError(path, f"unknown reference format '{suffix}' (expected .parquet, .jsonl or .pt)")
     if adapter is not None:
         frame["adapter"] = None if adapter == BASE else adapter
-    return validate(frame, path)
+    return validate(frame, path, vocab_size)
 
 
 def _read_pt(path: Path) -> pd.DataFrame:
@@ -74,7 +78,7 @@ def _read_pt(path: Path) -> pd.DataFrame:
                              + (f" and {len(sampler)} sampling_logprobs rows" if sampler is not None else ""))
         for j in range(len(tokens)):
             rows.append(dict(sample_id=f"{path}:{len(rows)}", input_ids=tokens[j], logprobs=train[j],
-                             sampler_logprobs=None if sampler is None else sampler[j]))
+                             sampler_logprobs=None if sampler is None else sampler[j], _where=f"sample {len(rows)}"))
     return pd.DataFrame(rows)
 
 
@@ -88,39 +92,61 @@ def _rows(value) -> list[list]:
     return [list(v) for v in value]
 
 
-def validate(frame: pd.DataFrame, path: str | Path) -> pd.DataFrame:
-    """Normalise types and check every sample; errors name the file and the sample."""
+def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = None) -> pd.DataFrame:
+    """Check every sample strictly and normalise it to Python lists; errors name the file, the line (JSONL) or row,
+    the sample and the column. `vocab_size`: token ids must lie in [0, vocab_size)."""
+    if len(frame) == 0:
+        raise InputError(path, "no samples")
     for column in ("input_ids", "logprobs"):
         if column not in frame.columns:
             raise InputError(path, f"missing required column (columns: {', '.join(map(str, frame.columns))})",
                              key=column)
     frame = frame.copy()
+    if "_where" not in frame.columns:
+        frame["_where"] = [f"row {i}" for i in range(len(frame))]
     if "sample_id" not in frame.columns:
         frame["sample_id"] = [str(i) for i in range(len(frame))]
     for column in COLUMNS:
         if column not in frame.columns:
             frame[column] = None
-    frame["sample_id"] = frame["sample_id"].astype(str)
-    duplicated = frame["sample_id"][frame["sample_id"].duplicated()]
-    if len(duplicated):
-        raise InputError(path, "sample_id must be unique within a file", key=f"sample {duplicated.iloc[0]}")
-    records = []
-    for row in frame[COLUMNS].itertuples(index=False):
-        where = f"sample {row.sample_id}"
-        ids = _list(row.input_ids, path, where, "input_ids")
-        if len(ids) < 2 or not all(isinstance(t, int) or (isinstance(t, float) and t.is_integer()) for t in ids):
-            raise InputError(path, "input_ids must hold at least 2 integer token ids", key=where)
-        ids = [int(t) for t in ids]
+    records, seen, scored = [], {}, 0
+    for values in frame[[*COLUMNS, "_where"]].itertuples(index=False, name=None):
+        row = dict(zip([*COLUMNS, "origin"], values))
+        sample_id, origin = row["sample_id"], row["origin"]
+        if isinstance(sample_id, (bool, np.bool_)) or not isinstance(sample_id, (str, int, np.integer)):
+            raise InputError(path, f"sample_id must be a string or an integer, found {sample_id!r}", key=origin)
+        sample_id = str(sample_id)
+        where = f"{origin} (sample {sample_id})"
+        if sample_id in seen:
+            raise InputError(path, f"sample_id is also used by {seen[sample_id]}; it must be unique within a file",
+                             key=where)
+        seen[sample_id] = origin
+        ids = _checked(row["input_ids"], "input_ids", "integer token ids", _is_int, path, where)
+        if len(ids) < 2:
+            raise InputError(path, f"input_ids must hold at least 2 token ids, found {len(ids)}", key=where)
+        if vocab_size is not None:
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InputError(path, f"input_ids: token id {bad} is outside the model's vocabulary "
+                                 f"[0, {vocab_size})", key=where)
         n = len(ids) - 1
-        logprobs = _floats(row.logprobs, n, path, where, "logprobs")
-        mask = None if _missing(row.mask) else [bool(m) for m in _list(row.mask, path, where, "mask", n)]
-        sampler = None if _missing(row.sampler_logprobs) else _floats(row.sampler_logprobs, n, path, where,
-                                                                       "sampler_logprobs")
-        adapter = None if _missing(row.adapter) else str(row.adapter)
-        if adapter == BASE:
+        logprobs = _finite(row["logprobs"], "logprobs", n, path, where)
+        mask = None
+        if not _missing(row["mask"]):
+            mask = [bool(m) for m in _checked(row["mask"], "mask", "booleans (true/false or 0/1)", _is_bool, path,
+                                              where, n)]
+        scored += n if mask is None else sum(mask)
+        sampler = row["sampler_logprobs"]
+        sampler = None if _missing(sampler) else _finite(sampler, "sampler_logprobs", n, path, where)
+        adapter = row["adapter"]
+        if _missing(adapter) or adapter == BASE:
             adapter = None
-        records.append(dict(sample_id=row.sample_id, adapter=adapter, input_ids=ids, logprobs=logprobs, mask=mask,
+        elif not isinstance(adapter, str) or not adapter:
+            raise InputError(path, f"adapter must be an adapter name or null, found {adapter!r}", key=where)
+        records.append(dict(sample_id=sample_id, adapter=adapter, input_ids=ids, logprobs=logprobs, mask=mask,
                             sampler_logprobs=sampler))
+    if scored == 0:
+        raise InputError(path, "the mask leaves no scored token in any sample (every value is false)", key="mask")
     return pd.DataFrame(records, columns=COLUMNS)
 
 
@@ -128,25 +154,64 @@ def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _list(value, path, where, column, length=None) -> list:
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, (bool, np.bool_)) or (_is_int(v) and v in (0, 1))
+
+
+ARRAY_KINDS = {_is_int: "iu", _is_number: "iuf", _is_bool: "b"}  # numpy dtype kinds that need no look at values
+
+
+def _checked(value, column: str, what: str, accepts, path, where, length: int | None = None) -> list:
+    """`value` (a list, or an array from Parquet / .pt) as a list whose every entry `accepts`."""
     if _missing(value):
         raise InputError(path, f"{column} is missing", key=where)
-    values = list(value.tolist() if hasattr(value, "tolist") else value)
-    if length is not None and len(values) != length:
-        raise InputError(path, f"{column} has {len(values)} entries, expected len(input_ids)-1 = {length}", key=where)
-    return values
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
+        raise InputError(path, f"{column} must be a list of {what}, found {type(value).__name__} {value!r:.40}",
+                         key=where)
+    if length is not None and len(value) != length:
+        raise InputError(path, f"{column} has {len(value)} entries, expected len(input_ids)-1 = {length}", key=where)
+    kind = getattr(getattr(value, "dtype", None), "kind", "O")
+    if kind not in ARRAY_KINDS[accepts] and not (accepts is _is_bool and kind in "iu"):
+        bad = next(((i, v) for i, v in enumerate(value) if not accepts(v)), None)
+        if bad is not None:
+            raise InputError(path, f"{column} must hold {what}, found {bad[1]!r} ({type(bad[1]).__name__}) at "
+                             f"position {bad[0]}", key=where)
+    elif accepts is _is_bool and kind in "iu":
+        bad = next(((i, v) for i, v in enumerate(value) if v not in (0, 1)), None)
+        if bad is not None:
+            raise InputError(path, f"{column} must hold {what}, found {bad[1]!r} at position {bad[0]}", key=where)
+    return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
-def _floats(value, length, path, where, column) -> list[float]:
-    values = [float(v) for v in _list(value, path, where, column, length)]
-    if not all(math.isfinite(v) for v in values):
-        raise InputError(path, f"{column} holds a non-finite value", key=where)
-    return values
+def _finite(value, column: str, length: int, path, where) -> list[float]:
+    values = _checked(value, column, "numbers", _is_number, path, where, length)
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise InputError(path, f"{column} must hold finite numbers, found {values[bad]} at position {bad}",
+                         key=where)
+    return [float(v) for v in values]
+
+
+def reference_bytes(frame: pd.DataFrame, where: str | Path, metadata: dict[bytes, bytes] | None = None) -> bytes:
+    """A reference DataFrame (validated first) in the native Parquet format, with `metadata` in its schema."""
+    table = pa.Table.from_pandas(validate(frame, where), schema=SCHEMA, preserve_index=False)
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return buffer.getvalue()
 
 
 def write_reference(frame: pd.DataFrame, path: str | Path) -> Path:
     """Write a reference DataFrame (validated first) as the native Parquet format."""
     path = Path(path)
-    frame = validate(frame, path)
-    pq.write_table(pa.Table.from_pandas(frame, schema=SCHEMA, preserve_index=False), path)
+    path.write_bytes(reference_bytes(frame, path))
     return path

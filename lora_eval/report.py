@@ -1,45 +1,58 @@
-"""Rendering results for people: the summary as a terminal table and the run as a Markdown report."""
+"""Rendering results for people: terminal tables, the Markdown reports, and the report files of a run folder.
+
+Renderers read results (results.py) and never run a task; rendering is deterministic (no clock time but what
+run.json holds), so `render(run_dir)` gives the bytes the run wrote.
+"""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pandas as pd
 
-SHOWN = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error",
-         "passed", "failed"]
+from .errors import InputError
+from .formatting import (SHOWN, compare_verdict, display_table, fixed_width, markdown_table, mmlu_verdict,
+                         model_line, points, shown_text)
+from .html_report import compare_html, mmlu_html
+from .names import BASE
+from .results import CompareResult, MmluResult, read_run
+
+# ---- the terminal -------------------------------------------------------------------------------------------
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, (bool,)) or str(value) in ("True", "False"):
-        return "PASS" if value else "FAIL"
-    return str(value)
+def summary_text(result: CompareResult | MmluResult) -> str:
+    """The summary for the terminal: compare's rows with PASS/FAIL and what failed; MMLU's micro and macro rows."""
+    if isinstance(result, CompareResult):
+        return fixed_width(result.summary[[c for c in SHOWN if c in result.summary.columns]])
+    return fixed_width(display_table(result.summary[result.summary["group"].isin(["micro", "macro"])]))
 
 
-def markdown_table(frame: pd.DataFrame) -> str:
-    header = "| " + " | ".join(frame.columns) + " |"
-    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
-    rows = ["| " + " | ".join(_cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join([header, rule, *rows])
+def verdict(result: CompareResult | MmluResult) -> str:
+    if isinstance(result, CompareResult):
+        return compare_verdict(result.summary)
+    return mmlu_verdict(result.summary, result.run.get("arguments", {}).get("max_drop"))
 
 
-def summary_table(summary: pd.DataFrame) -> str:
-    """The summary for the terminal: fixed-width columns, PASS/FAIL, which threshold failed."""
-    shown = summary[[c for c in SHOWN if c in summary.columns]]
-    cells = [list(shown.columns)] + [[_cell(v) for v in row] for row in shown.itertuples(index=False)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+def phase_times(run: dict) -> str:
+    """'read 0.12 s, load 2.31 s, forward 10.20 s, metrics 0.51 s': where the time went."""
+    timings = {k[:-2]: v for k, v in run.get("timings", {}).items() if k.endswith("_s") and k != "total_s"}
+    work = run.get("work") or {}
+    text = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
+    if work.get("resumed_units"):
+        text += f"; {work['resumed_units']} of {work['units']} units resumed from parts"
+    return text
 
 
-def markdown_report(result) -> str:
+# ---- Markdown -----------------------------------------------------------------------------------------------
+
+
+def compare_markdown(result: CompareResult) -> str:
     """report.md of a compare run: verdict, summary, noise floor, worst samples, run facts."""
     summary, run = result.summary, result.run
     args = run.get("arguments", {})
-    verdict = "PASSED" if result.passed else "FAILED: " + "; ".join(
-        f"{r.adapter} ({r.failed})" for r in summary.itertuples() if not r.passed)
-    lines = [f"# lora-eval compare: {verdict}", "",
-             f"Model `{args.get('model')}`, dtype {args.get('dtype')}, device {args.get('device')}; "
-             f"thresholds: k2 <= {args.get('max_k2')}, mean_abs_diff <= {args.get('max_mean_abs_diff')}.", "",
+    lines = [f"# lora-eval compare: {compare_verdict(summary)}", "",
+             f"{model_line(run)}; thresholds: k2 <= {args.get('max_k2')}, mean_abs_diff <= {args.get('max_mean_abs_diff')}.", "",
              "## Summary", "", markdown_table(summary[[c for c in SHOWN if c in summary.columns]]), ""]
     sampler_cols = [c for c in summary.columns if c.startswith("sampler_")]
     if sampler_cols:
@@ -49,7 +62,7 @@ def markdown_report(result) -> str:
     worst = result.samples.sort_values("k2", ascending=False).head(10)
     lines += ["## Worst samples by k2", "",
               markdown_table(worst[["adapter", "sample_id", "n_tokens", "mean_abs_diff", "max_abs_diff", "k2"]]), ""]
-    lines += _worst_tokens_section(getattr(result, "worst", None), run)
+    lines += _worst_tokens_section(result.worst, run)
     lines += ["## Run", "",
               f"{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
               f"{run.get('tokens_per_s', 0):,.0f} tokens/s; timings " +
@@ -58,12 +71,10 @@ def markdown_report(result) -> str:
     return "\n".join(lines)
 
 
-def _worst_tokens_section(worst, run: dict) -> list[str]:
+def _worst_tokens_section(worst: pd.DataFrame, run: dict) -> list[str]:
     """Worst tokens by |d|: context, then the predicted token in brackets (newlines shown as a symbol)."""
     if worst is None or not len(worst):
         return []
-    from .html_report import shown_text
-
     source = f"decoded with the tokenizer in `{run['tokenizer']}`" if run.get("tokenizer") else \
         "token ids in brackets (no tokenizer in the model folder)"
     shown = worst[["adapter", "sample_id", "position", "token_id"]].assign(
@@ -72,3 +83,63 @@ def _worst_tokens_section(worst, run: dict) -> list[str]:
         ref=worst["ref"], engine=worst["engine"], d=worst["d"])
     return ["## Worst tokens by |d|", "", f"Context, then the predicted token in \u27e6brackets\u27e7; {source}.", "",
             markdown_table(shown), ""]
+
+
+def mmlu_markdown(result: MmluResult) -> str:
+    """mmlu.md: verdict, micro/macro, categories, the subjects that moved most, run facts."""
+    run, args = result.run, result.run.get("arguments", {})
+    summary = result.summary
+    lines = [f"# lora-eval mmlu: {verdict(result)}", "",
+             f"{model_line(run)}; {run.get('questions')} {args.get('split')} questions, {args.get('shots')}-shot; "
+             f"max drop {args.get('max_drop')} points. Deltas are paired per question, 95% intervals.", "",
+             "## Micro and macro", "",
+             markdown_table(display_table(summary[summary["group"].isin(["micro", "macro"])])), "",
+             "## Categories (micro within each)", "",
+             markdown_table(display_table(summary[~summary["group"].isin(["micro", "macro"])]).drop(
+                 columns="passed")), ""]
+    subjects = result.subjects[result.subjects["model"] != BASE]
+    if len(subjects):
+        order = {m: i for i, m in enumerate(result.subjects["model"].unique())}
+        worst = subjects.sort_values(["delta", "subject"]).groupby("model", sort=False).head(10)
+        worst = worst.sort_values("model", key=lambda s: s.map(order), kind="stable")  # per adapter, worst first
+        lines += ["## Subjects with the largest drops", "",
+                  markdown_table(pd.DataFrame({
+                      "model": worst["model"], "subject": worst["subject"], "questions": worst["questions"].astype(str),
+                      "accuracy %": [f"{100 * a:.1f}" for a in worst["accuracy"]],
+                      "delta (points)": [points(d) for d in worst["delta"]],
+                      "95% interval": ["" if math.isnan(lo) else f"[{points(lo)}, {points(hi)}]"
+                                       for lo, hi in zip(worst["delta_low"], worst["delta_high"])]})), ""]
+    prompts = run.get("prompts", {})
+    lines += ["## Run", "",
+              f"{run.get('rows')} scored rows in {run.get('batches')} batches, padding waste "
+              f"{run.get('padding_waste', 0):.1%}, {run.get('questions_per_s', 0):,.1f} questions/s; prompts "
+              f"{prompts.get('tokens_mean', 0):.0f} tokens on average (max {prompts.get('tokens_max')}), "
+              f"{prompts.get('with_fewer_shots')} with fewer shots to fit; answer tokens " +
+              ", ".join(f"{k} {v['token']!r} ({v['id']})" for k, v in run.get("answer_tokens", {}).items()) + ".", "",
+              "Timings (s): " + ", ".join(f"{k} {v:.2f}" for k, v in run.get("timings", {}).items()), "",
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items()), ""]
+    return "\n".join(lines)
+
+
+# ---- the files of a run folder ------------------------------------------------------------------------------
+
+REPORTS = {"compare": {"md": "report.md", "html": "report.html"}, "mmlu": {"md": "mmlu.md", "html": "report.html"}}
+
+
+def render_report(result: CompareResult | MmluResult, fmt: str) -> str:
+    if isinstance(result, CompareResult):
+        return compare_html(result) if fmt == "html" else compare_markdown(result)
+    return mmlu_html(result) if fmt == "html" else mmlu_markdown(result)
+
+
+def report_files(result: CompareResult | MmluResult) -> dict[str, bytes]:
+    """The report files a run folder holds, as bytes."""
+    kind = "compare" if isinstance(result, CompareResult) else "mmlu"
+    return {name: render_report(result, fmt).encode("utf-8") for fmt, name in REPORTS[kind].items()}
+
+
+def render(run_dir: str | Path, fmt: str = "html") -> str:
+    """The report of a complete run folder, from its files alone (equal to the report written with the run)."""
+    if fmt not in ("html", "md"):
+        raise InputError("--format", f"'{fmt}' is not one of html, md")
+    return render_report(read_run(run_dir), fmt)

@@ -4,121 +4,97 @@ Adapters PEFT can load run through PEFT. Expert layouts PEFT cannot load into tr
 (per-expert 2D, fused or shared-outer 3D exports) are applied the way a trainer merges them: each delta
 s * B @ A added into a copy of the transformers weights, which transformers then runs.
 
-Prompts come as JSONL, one object per sample: `input_ids` (a list of token ids), or `text`, or `prompt` and
-`response` (tokenised with the model's tokenizer; the mask then covers the response tokens only); optional
-`sample_id`, `adapter` (null = base model) and `mask` (len(input_ids) - 1 booleans).
+Prompts come as JSONL (prompts.py). Each prompt is one unit of work of a run folder: a killed dump resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
 from .adapters import load_adapter
-from .checkpoint import read_jsonl
-from .engine import DTYPES
-from .errors import InputError
-from .progress import progress
+from .engine import DTYPES, EngineOptions
+from .inputs import adapter_names, model_config
 from .models import load_model
 from .models.layers import interleave_gate_up
-from .references import BASE, write_reference
+from .prompts import read_prompts
+from .references import read_reference, reference_bytes
+from .runfolder import RECORD_KEY, RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, versions
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
 
 
-def read_prompts(path: str | Path, model_dir: str | Path) -> pd.DataFrame:
-    """Prompts as rows of sample_id, adapter, input_ids, mask (tokenising text with the model's tokenizer)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(path, "prompts file not found")
-    tokenizer = None
-    rows = []
-    for n, item in enumerate(read_jsonl(path), start=1):
-        mask = item.get("mask")
-        if "input_ids" in item:
-            ids = item["input_ids"]
-        elif "text" in item or "prompt" in item:
-            tokenizer = tokenizer or _tokenizer(model_dir)
-            if "text" in item:
-                ids = tokenizer(item["text"])["input_ids"]
-            else:
-                prompt = tokenizer(item["prompt"])["input_ids"]
-                response = tokenizer(item.get("response", ""), add_special_tokens=False)["input_ids"]
-                ids = prompt + response
-                mask = [i + 1 >= len(prompt) for i in range(len(ids) - 1)]
-        else:
-            raise InputError(path, f"prompt {n}: expected 'input_ids', 'text', or 'prompt' and 'response'")
-        rows.append(dict(sample_id=str(item.get("sample_id", n)), adapter=item.get("adapter"), input_ids=ids,
-                         mask=mask))
-    if not rows:
-        raise InputError(path, "no prompts in the file")
-    return pd.DataFrame(rows)
-
-
-def _tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise InputError(model_dir, f"prompts given as text need a tokenizer in the model folder ({e})") from None
-
-
 def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None, prompts: str | Path,
-                   out: str | Path, *, dtype: str = "float32", device: str = "cpu", quiet: bool = False,
-                   gate_up_layout: str | None = None) -> pd.DataFrame:
-    """Reference logprobs of every prompt under its adapter, from transformers + PEFT; written as Parquet.
-    `gate_up_layout`: the row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py)."""
-    adapters = dict(adapters or {})
-    if dtype not in DTYPES:
-        raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
-    frame = read_prompts(prompts, model_dir)
-    frame["adapter"] = frame["adapter"].where(frame["adapter"] != BASE, None)
-    unknown = sorted({a for a in frame["adapter"].dropna() if a not in adapters})
-    if unknown:
-        raise InputError(prompts, f"names adapter '{unknown[0]}', which was not given; known adapters: "
-                         f"{', '.join(sorted(adapters)) or 'none'}", key="adapter")
-    with quiet_libraries():
-        return _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, quiet, gate_up_layout)
+                   out: str | Path | None, *, options: EngineOptions | None = None, quiet: bool = False,
+                   overwrite: bool = False, default_adapter: str | None = None, notice=print) -> pd.DataFrame:
+    """Reference logprobs of every prompt under its adapter, from transformers + PEFT, written as one Parquet file
+    through a run folder (runfolder.py: resumable, never half-written; the fingerprint goes into the file's
+    metadata, and an `out` that already holds this very dump is returned as it is). `options`: device, dtype and
+    gate_up_layout (the row order of fused 3D gate_up LoRA, adapters/load.py). `default_adapter`: for prompts
+    without an `adapter` field (prompts.py)."""
+    options = (options or EngineOptions()).resolved()
+    adapters = adapter_names(adapters)
+    out = check_out(out, single_file=True)
+    _, args = model_config(model_dir)
+    frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notice)
+    shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
+    parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
+    record = options.record()
+    task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
+                        gate_up_layout=options.gate_up_layout, default_adapter=default_adapter)
+    files = {**model_files(model_dir), **adapter_files(adapters), f"prompts/{Path(prompts).name}": file_digest(
+        Path(prompts))}
+    arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()}, prompts=str(prompts),
+                     default_adapter=default_adapter)
+    with RunFolder(out, "dump-reference", fingerprint("dump-reference", files, task_options, versions()),
+                   dict(arguments=arguments), overwrite=overwrite, single_file=True, notice=notice) as folder:
+        if folder.stored is not None:
+            return read_reference(out)
+        with quiet_libraries():
+            frame["logprobs"] = _logprobs(model_dir, adapters, parsed, frame, options, folder, quiet)
+        if out is not None:
+            meta = json.dumps(dict(command="dump-reference", arguments=arguments, fingerprint=folder.fingerprint))
+            folder.commit_file(reference_bytes(frame, out, {RECORD_KEY: meta.encode()}))
+    return frame
 
 
-def _dump_reference(model_dir, adapters, prompts, out, frame, dtype, device, quiet, gate_up_layout) -> pd.DataFrame:
+def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, options: EngineOptions,
+              folder: RunFolder, quiet: bool) -> list[list[float]]:
+    """Each prompt's logprobs from transformers (+ PEFT or merged deltas), one sample per unit of work."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).to(device).eval()
-    vocab = model.config.vocab_size
-    for row in frame.itertuples():
-        ids = row.input_ids
-        if not isinstance(ids, list) or len(ids) < 2 or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise InputError(prompts, f"needs at least 2 token ids, all in [0, {vocab})", key=f"sample {row.sample_id}")
-    logprobs: dict[int, list[float]] = {}
-    with progress(len(frame), "dump-reference", "sample", quiet) as bar:
+    model = None
+    with folder.work([1] * len(frame), "dump-reference", "sample", quiet) as work:
         for name in [None] + sorted(adapters):
-            rows = frame[frame["adapter"].isna()] if name is None else frame[frame["adapter"] == name]
-            if rows.empty:
+            rows = frame.index[frame["adapter"].isna()] if name is None else frame.index[frame["adapter"] == name]
+            todo = work.pending(int(i) for i in rows)
+            if not todo:
                 continue
-            parsed = None if name is None else load_adapter(adapters[name], name, shapes, gate_up_layout)
-            if parsed is None:
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[options.dtype])
+                model = model.to(options.device).eval()
+            adapter = None if name is None else parsed[name]
+            if adapter is None:
                 runner = model
-            elif parsed.layouts <= PEFT_LAYOUTS:
+            elif adapter.layouts <= PEFT_LAYOUTS:
                 runner = PeftModel.from_pretrained(model, str(adapters[name])).eval()
             else:
-                runner = merged_copy(model, parsed)
-            for i, ids in zip(rows.index, rows["input_ids"]):
-                logprobs[i] = _sequence_logprobs(runner, ids, device)
-                bar.update(1)
+                runner = merged_copy(model, adapter)
+            for i in todo:
+                lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
+                work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
             if isinstance(runner, PeftModel):
                 model = runner.unload()  # back to the plain base model for the next adapter
-    frame["logprobs"] = [logprobs[i] for i in frame.index]
-    write_reference(frame, out)
-    return frame
+    done = work.results()
+    return [done[i]["logprobs"].iloc[0].tolist() for i in range(len(frame))]
 
 
 @contextlib.contextmanager
@@ -168,8 +144,7 @@ def merged_copy(model, adapter):
 
 
 @torch.inference_mode()
-def _sequence_logprobs(model, ids: list[int], device) -> list[float]:
+def _sequence_logprobs(model, ids: list[int], device) -> torch.Tensor:
     input_ids = torch.tensor([ids], device=device)
     logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1].float()  # [L-1, V]
-    lp = torch.log_softmax(logits, dim=-1).gather(1, input_ids[0, 1:, None]).squeeze(1)  # [L-1]
-    return lp.cpu().tolist()
+    return torch.log_softmax(logits, dim=-1).gather(1, input_ids[0, 1:, None]).squeeze(1).cpu()  # [L-1]

@@ -418,3 +418,108 @@ def write_expert_adapter(
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return MergedOracle(model=model, adapter_dir=out_dir)
+
+
+# --- quantized checkpoints ----------------------------------------------------------------------
+
+
+FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                        dtype=torch.float64)  # value of each 4-bit code
+FP8_MAX = 448.0  # largest float8_e4m3fn
+# gpt-oss-20b's modules_to_not_convert (attention, router, embeddings and lm_head stay bf16)
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., rows, cols] (cols a multiple of 32) -> (blocks uint8 [..., rows, cols/32, 16], scales uint8
+    [..., rows, cols/32], the values they encode [..., rows, cols] in float64): per 32 values the smallest E8M0
+    scale that fits their largest magnitude in 6, each value the nearest E2M1 one."""
+    *lead, rows, cols = w.shape
+    w = w.double().reshape(*lead, rows, cols // 32, 32)
+    amax = w.abs().amax(-1, keepdim=True).clamp_min(2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))  # [..., rows, G, 1]
+    magnitude = (w.abs() / 2.0**exponent).unsqueeze(-1).sub(FP4_E2M1[:8]).abs().argmin(-1)  # [..., rows, G, 32]
+    codes = magnitude | (w < 0).long() << 3  # the sign bit
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
+    values = FP4_E2M1[codes] * 2.0**exponent
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8), values.reshape(*lead, rows, cols)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block=(128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8_e4m3fn [out, in], scale_inv float32 [ceil(out/bm), ceil(in/bn)]): each fixed
+    bm x bn block (the last ones of a ragged edge smaller) divided by its largest magnitude / 448."""
+    bm, bn = block
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(-(-w.shape[0] // bm), -(-w.shape[1] // bn), dtype=torch.float32)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            tile = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float()
+            scale_inv[i, j] = tile.abs().max().clamp_min(1e-12) / FP8_MAX
+            q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (tile / scale_inv[i, j]).clamp(-FP8_MAX, FP8_MAX)
+    return q, scale_inv
+
+
+def dequantize_fp8_loop(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """The oracle of block FP8: a plain loop over fixed bm x bn blocks (edge blocks partial), each block's float32
+    values times its float32 scale."""
+    bm, bn = block
+    assert scale_inv.shape == (-(-q.shape[0] // bm), -(-q.shape[1] // bn)), (q.shape, scale_inv.shape)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
+            out[rows, cols] = q[rows, cols].float() * scale_inv[i, j]
+    return out
+
+
+def _not_converted(module: str, patterns: list[str]) -> bool:
+    """transformers' modules_to_not_convert match: from the start up to a module boundary, a regex, or a suffix."""
+    import re
+
+    return any(re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(p) for p in patterns)
+
+
+def save_quantized_copy(model_dir, quant_dir, plain_dir, method: str, not_converted: list[str],
+                        block=(128, 128)) -> tuple[Path, Path, list[str]]:
+    """Quantize the float checkpoint in ``model_dir`` (written by ``save_random_model``) as a published release
+    would, into ``quant_dir`` with its quantization_config; write the values the quantized checkpoint encodes,
+    dequantised independently of lora_eval and transformers, as a plain float32 checkpoint in ``plain_dir`` (the
+    oracle's weights). Returns (quant_dir, plain_dir, the keys stored quantized).
+
+    ``method`` "mxfp4": gpt-oss experts (``mlp.experts.gate_up_proj`` [E, in, out] / ``down_proj``) as
+    ``{key}_blocks`` / ``{key}_scales`` of the transposed [E, out, in]. "fp8": every 2-D Linear weight as
+    float8_e4m3fn with ``weight_scale_inv`` per ``block``. Modules matching ``not_converted`` stay as they are."""
+    from safetensors.torch import load_file
+
+    model_dir, quant_dir, plain_dir = Path(model_dir), Path(quant_dir), Path(plain_dir)
+    for out in (quant_dir, plain_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in model_dir.iterdir():
+            if f.name not in ("model.safetensors", "config.json"):
+                (out / f.name).write_bytes(f.read_bytes())
+    stored, plain, quantized = {}, {}, []
+    for key, w in load_file(str(model_dir / "model.safetensors")).items():
+        module = key.rsplit(".", 1)[0]
+        if method == "mxfp4" and key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and \
+                not _not_converted(module, not_converted):
+            blocks, scales, values = quantize_mxfp4(w.transpose(1, 2))  # [E, out, in/32, 16], [E, out, in/32]
+            stored[f"{key}_blocks"], stored[f"{key}_scales"] = blocks, scales
+            plain[key], w = values.transpose(1, 2).float().contiguous(), None  # [E, in, out]
+        elif method == "fp8" and key.endswith(".weight") and w.ndim == 2 and "embed_tokens" not in key and \
+                not _not_converted(module, not_converted):
+            q, scale_inv = quantize_fp8_blocks(w, block)  # [out, in], [ceil(out/bm), ceil(in/bn)]
+            stored[key], stored[f"{module}.weight_scale_inv"] = q, scale_inv
+            plain[key], w = dequantize_fp8_loop(q, scale_inv, block), None
+        if w is None:
+            quantized.append(key)
+        else:
+            stored[key], plain[key] = w, w.float()
+    config = json.loads((model_dir / "config.json").read_text())
+    save_file(plain, str(plain_dir / "model.safetensors"), metadata={"format": "pt"})
+    (plain_dir / "config.json").write_text(json.dumps(config, indent=2))
+    quant = {"quant_method": method, "modules_to_not_convert": not_converted}
+    if method == "fp8":
+        quant.update(fmt="e4m3", activation_scheme="dynamic", weight_block_size=list(block))
+    save_file(stored, str(quant_dir / "model.safetensors"), metadata={"format": "pt"})
+    (quant_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
+    return quant_dir, plain_dir, quantized

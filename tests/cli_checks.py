@@ -1,4 +1,4 @@
-"""Assertions on CLI results shared by the CLI test files."""
+"""Assertions on CLI results shared by the CLI test files, and a run folder written from a result."""
 
 
 def assert_no_traceback(result):
@@ -18,3 +18,16 @@ def assert_input_error(result, *needles: str) -> str:
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
     return line
+
+
+def save_run(result, out):
+    """A complete run folder of `result` (its tables, reports and run.json), written by the run-folder code itself,
+    for tests that build or edit results by hand."""
+    from lora_eval.report import report_files
+    from lora_eval.results import CompareResult, table_files
+    from lora_eval.runfolder import RunFolder
+
+    command = "compare" if isinstance(result, CompareResult) else "mmlu"
+    with RunFolder(out, command, {"command": command}, overwrite=True) as folder:
+        folder.commit({**table_files(result), **report_files(result)},
+                      {k: v for k, v in result.run.items() if k not in ("command", "status", "fingerprint")})

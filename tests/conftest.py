@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # Triton kernels run through the interpreter 
 # threads made some modules ~20x slower (50 s instead of 3 s). One thread for the whole run.
 torch.set_num_threads(1)
 
+from lora_eval.engine import EngineOptions
 from tests.builders import save_random_model
 
 # 2I (16) != H (32) and I != H, so a transposed or swapped expert factor cannot pass by coincidence
@@ -41,3 +42,6 @@ def session_seed() -> int:
 def moe_model(tmp_path_factory, session_seed):
     """A tiny Qwen3-MoE checkpoint (layer 1 dense via mlp_only_layers, norm_topk_prob true), float32 on disk."""
     return save_random_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=session_seed, **MOE_OVERRIDES)
+
+
+CPU = EngineOptions(device="cpu", dtype="float32")  # the oracle's options, whatever the machine has

@@ -36,6 +36,7 @@ from tests.builders import (
     save_random_peft_adapter,
     write_expert_adapter,
 )
+from tests.conftest import CPU
 
 TOL = 1e-5  # max abs difference from an oracle, float32
 MIN_EFFECT = 1e-4  # an adapter must move some logprob at least this much (10x TOL) from the base model
@@ -172,7 +173,7 @@ PEFT_CASES = {
 
 def check_peft_adapter(model_dir, adapter_dir, sequences, base_logprobs, expected_layouts=None) -> None:
     """Our logprobs under the adapter vs PEFT's, plus the adapter's effect and its ranks / scalings."""
-    engine = Engine.load(model_dir, {"lora": adapter_dir}, dtype="float32", device="cpu")
+    engine = Engine.load(model_dir, {"lora": adapter_dir}, CPU)
     ours = run_one_adapter(engine, "lora", sequences)
     oracle = peft_oracle(model_dir, adapter_dir)
     assert_rows_close(ours, hf_logprobs(oracle, sequences))
@@ -226,7 +227,7 @@ EXPERT_CASES = {
 def test_expert_layout_matches_merged_oracle(case, moe_model, moe_base_hf, tmp_path, seed):
     kwargs, label = EXPERT_CASES[case]
     oracle = write_expert_adapter(moe_model, tmp_path / case, seed=seed, **kwargs)
-    engine = Engine.load(moe_model, {"experts": oracle.adapter_dir}, dtype="float32")
+    engine = Engine.load(moe_model, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
     assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
@@ -265,7 +266,7 @@ def test_bin_adapter_equals_safetensors(source, moe_model, tmp_path, seed):
         merged = write_expert_adapter(moe_model, tmp_path / "st", layout="split_3d", seed=seed, include_router=True)
         st_dir, oracle_model = merged.adapter_dir, merged.model
     bin_dir = to_bin(st_dir, tmp_path / "bin")
-    engine = Engine.load(moe_model, {"st": st_dir, "bin": bin_dir})
+    engine = Engine.load(moe_model, {"st": st_dir, "bin": bin_dir}, CPU)
     assert engine.adapters[1].weights_file.name == "adapter_model.bin"
     sequences = varied_sequences(seed + 1)
     from_st, from_bin = run_one_adapter(engine, "st", sequences), run_one_adapter(engine, "bin", sequences)

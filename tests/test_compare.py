@@ -33,11 +33,12 @@ from click.testing import CliRunner
 
 from lora_eval.batching import make_batches, padding_waste
 from lora_eval.cli import cli
-from lora_eval.compare import SUMMARY_COLUMNS, compare
+from lora_eval.compare import compare
 from lora_eval.engine import Engine
 from lora_eval.errors import InputError
 from lora_eval.metrics import FRACTION_THRESHOLDS, group_metrics, token_metrics
 from lora_eval.references import read_reference, write_reference
+from lora_eval.results import COMPARE_SUMMARY_COLUMNS as SUMMARY_COLUMNS
 from lora_eval.trainer import dump_reference
 from tests.builders import hf_logprobs, load_hf, peft_oracle, random_sequences, save_random_peft_adapter, \
     write_expert_adapter
@@ -177,13 +178,16 @@ def test_demo_end_to_end(tmp_path):
     run = json.loads((report / "run.json").read_text())
     reference = out / "reference.parquet"
     assert run["arguments"]["references"] == [str(reference)]
-    assert run["arguments"]["dtype"] == "float32" and run["arguments"]["batch_tokens"] == 4096
+    assert run["resolved"] == dict(device="cpu", dtype="float32") and run["arguments"]["batch_tokens"] == 4096
     assert set(run["arguments"]["adapters"]) == {"peft-all-linear", "tinker-shared-outer"}
-    assert {"lora_eval", "torch", "transformers", "peft", "python"} <= set(run["versions"])
+    assert {"lora-eval", "torch", "transformers", "peft", "python"} <= set(run["versions"])
     assert run["versions"]["torch"] == torch.__version__
     assert set(run["timings"]) >= {"load_s", "forward_s", "metrics_s"}
     assert all(v >= 0 for v in run["timings"].values())
-    assert run["files"][str(reference)] == hashlib.sha256(reference.read_bytes()).hexdigest()
+    assert run["status"] == "complete" and run["completed"]["exit_code"] == 0
+    assert run["files"]["reference 0/reference.parquet"] == \
+        "sha256:" + hashlib.sha256(reference.read_bytes()).hexdigest()
+    assert run["fingerprint"]["files"] == run["files"] and run["fingerprint"]["options"]["device"] == "cpu"
 
 
 # ---- 2. metric formulas ----------------------------------------------------------------------------------
@@ -520,7 +524,7 @@ def test_token_id_outside_vocabulary(art, tmp_path, seed):
     ids[-1] = VOCAB
     frame.at[row, "input_ids"] = ids
     path = write_reference(frame, tmp_path / "vocab.parquet")
-    assert_input_error(compare_cli(art, [path], tmp_path / "run"), f"{path}: sample {sample}: ", str(VOCAB))
+    assert_input_error(compare_cli(art, [path], tmp_path / "run"), f"{path}: row {row} (sample {sample}): ", str(VOCAB))
 
 
 def test_logprobs_length_mismatch(art, tmp_path):
@@ -533,7 +537,7 @@ def test_logprobs_length_mismatch(art, tmp_path):
     path.write_text("\n".join(lines) + "\n")
     sample = art.ref["sample_id"].iloc[2]
     n = len(art.ref["input_ids"].iloc[2]) - 1
-    assert_input_error(compare_cli(art, [path], tmp_path / "run"), f"{path}: sample {sample}: ", "logprobs",
+    assert_input_error(compare_cli(art, [path], tmp_path / "run"), f"{path}: line 3 (sample {sample}): ", "logprobs",
                        str(n + 1), str(n))
 
 
@@ -622,19 +626,19 @@ def test_graph_options(art, tmp_path, monkeypatch):
     seen = []
     original = Engine.load
 
-    def load(*args, **kwargs):
-        seen.append(kwargs)
-        return original(*args, **kwargs)
+    def load(model, adapters, options):
+        seen.append(options)
+        return original(model, adapters, options)
 
     monkeypatch.setattr(Engine, "load", load)
     result = compare_cli(art, [art.shift_path], tmp_path / "run", "--no-cuda-graphs")
     assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)  # the known shift, not the option
-    assert seen[-1]["cuda_graphs"] is False
+    assert seen[-1].cuda_graphs is False
     assert json.loads((tmp_path / "run" / "run.json").read_text())["cuda_graphs"] is None
     result = compare_cli(art, [art.shift_path], tmp_path / "run2", "--graph-buckets", "4", "--max-graph-memory", "1.5")
     assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
-    assert seen[-1]["cuda_graphs"] is True
-    assert (seen[-1]["graph_plan"].max_buckets, seen[-1]["graph_plan"].max_memory) == (4, int(1.5 * 2**30))
+    assert seen[-1].cuda_graphs is True
+    assert (seen[-1].graph_buckets, seen[-1].max_graph_memory) == (4, int(1.5 * 2**30))
     bad = compare_cli(art, [art.shift_path], tmp_path / "run3", "--graph-buckets", "-1")
     assert bad.exit_code == 2 and "--graph-buckets" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -27,6 +27,7 @@ from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_m
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
     run_one_adapter, varied_sequences
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
+from tests.conftest import CPU
 
 VOCAB = 96  # tests/builders.py's tiny vocabulary
 TOL = 1e-5  # max abs logprob difference from a float32 oracle
@@ -104,7 +105,7 @@ def base_hf(checkpoint):
 @pytest.mark.parametrize("case", list(CASES))
 def test_base_logprobs_match_transformers(checkpoint, base_hf, case, seed):
     seqs = mixed_length_sequences(seed)
-    ours = engine_logprobs(Engine.load(checkpoint(case)), seqs)
+    ours = engine_logprobs(Engine.load(checkpoint(case), None, CPU), seqs)
     assert_rows_close(ours, hf_logprobs(base_hf(case), seqs), what="transformers")
 
 
@@ -238,7 +239,7 @@ def test_per_expert_adapter_matches_merged_oracle(case, checkpoint, base_hf, tmp
                                   **kwargs)
     config_path = oracle.adapter_dir / "adapter_config.json"
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "target_modules": target_modules}))
-    engine = Engine.load(model_dir, {"experts": oracle.adapter_dir})
+    engine = Engine.load(model_dir, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
     assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")

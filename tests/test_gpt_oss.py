@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -41,6 +42,7 @@ from lora_eval.trainer import merged_copy
 from tests.builders import ADAPTER_STRENGTH, hf_logprobs, random_sequences, save_random_model, \
     save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
+from tests.conftest import CPU
 
 VOCAB = 96
 TOL = 1e-5  # max abs logprob difference from a float32 oracle
@@ -103,7 +105,7 @@ def base_ref(model_dir):
 def test_base_logprobs_match_transformers(model_dir, base_ref, seed):
     seqs = sequences(seed)
     assert max(map(len, seqs)) > 3 * WINDOW
-    engine = Engine.load(model_dir)
+    engine = Engine.load(model_dir, None, CPU)
     assert_close(run(engine, seqs), base_ref(seed))
     hf = hf_eager(model_dir)
     torch.testing.assert_close(engine.model.inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
@@ -159,7 +161,7 @@ def test_experts_are_deinterleaved_and_transposed_at_load(model_dir):
 
 
 def test_batching_does_not_change_rows(model_dir, seed):
-    engine = Engine.load(model_dir)
+    engine = Engine.load(model_dir, None, CPU)
     seqs = sequences(seed)
     batched = run(engine, seqs)
     for seq, row in zip(seqs, batched):
@@ -177,8 +179,8 @@ def test_meta_load_and_refusals(model_dir, tmp_path):
         (folder / "config.json").write_text(json.dumps(config))
         return folder
 
-    with pytest.raises(UnsupportedError, match="mxfp4"):
-        load_model(edited("mxfp4", quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(UnsupportedError, match="quant_method 'bitsandbytes'"):  # MXFP4: tests/test_quantized.py
+        load_model(edited("bnb", quantization_config={"quant_method": "bitsandbytes"}))
     with pytest.raises(InputError, match="layer_types"):
         load_model(edited("layers", layer_types=["full_attention"]))
     with pytest.raises(InputError, match="gate_up_proj"):  # a bigger expert than stored, caught from shapes only
@@ -201,14 +203,14 @@ GPT_OSS_20B = dict(
 
 
 def test_published_gpt_oss_20b_config():
-    """The real config: MXFP4 refused by name; dequantized, its legacy rope_scaling gives transformers' YaRN."""
+    """The real config (MXFP4 experts: read, tests/test_quantized.py): its legacy rope_scaling gives transformers'
+    YaRN."""
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from lora_eval.models import gpt_oss
+    from lora_eval.models import family_and_args, gpt_oss
 
-    with pytest.raises(UnsupportedError, match="quantization_config: .*mxfp4"):
-        gpt_oss.ModelArgs.from_config(GPT_OSS_20B)
+    assert family_and_args(GPT_OSS_20B, "c.json")[1] == gpt_oss.ModelArgs.from_config(GPT_OSS_20B, "c.json")
     config = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
     args = gpt_oss.ModelArgs.from_config(config)
     assert (args.num_experts, args.top_k, args.intermediate_size, args.sliding_window) == (32, 4, 2880, 128)
@@ -241,7 +243,7 @@ def test_peft_adapter_matches_peft(case, model_dir, base_ref, tmp_path, seed):
     kwargs = PEFT_CASES[case]
     adapter_dir = save_random_peft_adapter(model_dir, tmp_path / case, seed=seed, **kwargs)
     seqs = sequences(seed + 1)
-    engine = Engine.load(model_dir, {"lora": adapter_dir})
+    engine = Engine.load(model_dir, {"lora": adapter_dir}, CPU)
     ours = run(engine, seqs, "lora")
     oracle = PeftModel.from_pretrained(hf_eager(model_dir), adapter_dir).eval()
     assert_close(ours, hf_logprobs(oracle, seqs), what="PEFT oracle")
@@ -326,7 +328,7 @@ def test_hand_written_adapter_matches_merged_oracle(case, model_dir, base_ref, t
     adapter_dir, oracle = write_expert_adapter(model_dir, tmp_path / case, seed=seed, **kwargs)
     seqs = sequences(seed + 1)
     expected = hf_logprobs(oracle, seqs)
-    engine = Engine.load(model_dir, {"hand": adapter_dir}, gate_up_layout=gate_up_layout)
+    engine = Engine.load(model_dir, {"hand": adapter_dir}, replace(CPU, gate_up_layout=gate_up_layout))
     ours = run(engine, seqs, "hand")
     assert_close(ours, expected, what="merged oracle")
     assert_changes(ours, base_ref(seed + 1))
@@ -339,7 +341,7 @@ def test_hand_written_adapter_matches_merged_oracle(case, model_dir, base_ref, t
     assert_close(hf_logprobs(merged_copy(hf_eager(model_dir), adapter), seqs), expected, what="merged oracle")
     if gate_up_layout is not None:
         other = "concatenated" if gate_up_layout == "interleaved" else "interleaved"
-        wrong = run(Engine.load(model_dir, {"hand": adapter_dir}, gate_up_layout=other), seqs, "hand")
+        wrong = run(Engine.load(model_dir, {"hand": adapter_dir}, replace(CPU, gate_up_layout=other)), seqs, "hand")
         assert_changes(wrong, expected, f"gate_up_layout {other} instead of {gate_up_layout}")
         with pytest.raises(InputError, match="--gate-up-layout") as info:
             load_adapter(adapter_dir, "hand", engine.model)

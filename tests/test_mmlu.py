@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +35,15 @@ from peft import LoraConfig, get_peft_model
 import lora_eval
 from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
-from lora_eval.mmlu import (CATEGORIES, LETTERS, QUESTION_COLUMNS, SUBJECT_COLUMNS, SUMMARY_COLUMNS, answer_tokens,
-                            load_tokenizer, paired_delta, passes, prompts, read_split, select, tokenize_prompts)
+from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
+from lora_eval.mmlu_prompts import answer_tokens, prompts, tokenize_prompts
+from lora_eval.mmlu_stats import paired_delta, passes
+from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
+from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
+from lora_eval.tokenizer import load_tokenizer
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
-from tests.conftest import MOE_OVERRIDES
+from tests.conftest import CPU, MOE_OVERRIDES
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
 if not DATA.is_dir():
@@ -309,7 +314,7 @@ def bpe_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bpe(bpe_dir):
-    return load_tokenizer(bpe_dir)
+    return load_tokenizer(bpe_dir, needed_for="mmlu")
 
 
 @pytest.mark.parametrize("layout", ["csv", "parquet", "save_to_disk"])
@@ -334,7 +339,7 @@ def test_answer_tokens_follow_answer_colon(bpe, tmp_path):
         assert shot[:len(stub)] == stub and shot[len(stub)] == token
     bytes_tokenizer(tmp_path)
     with pytest.raises(UnsupportedError, match="' A' after 'Answer:' one token"):
-        answer_tokens(load_tokenizer(tmp_path), tmp_path)
+        answer_tokens(load_tokenizer(tmp_path, needed_for="mmlu"), tmp_path)
 
 
 def test_shots_are_dropped_until_the_prompt_fits(real, bpe):
@@ -367,7 +372,7 @@ def rigged(tmp_path_factory, session_seed, bpe_dir, bpe, real):
     model_dir = shutil.copytree(bpe_dir, root / "model")
     save_random_model(model_dir, "qwen3_moe", seed=session_seed, vocab_size=len(bpe), max_position_embeddings=1024,
                       **MOE_OVERRIDES)
-    letters = answer_tokens(load_tokenizer(model_dir), model_dir)
+    letters = answer_tokens(load_tokenizer(model_dir, needed_for="mmlu"), model_dir)
     rig(model_dir, letters[x])
     adapters = {"attn": save_random_peft_adapter(model_dir, root / "attn", seed=session_seed + 1, r=4, lora_alpha=8,
                                                  target_modules=["q_proj", "v_proj"]),
@@ -426,7 +431,7 @@ def test_rigged_letter_scores_its_share(rigged, tmp_path):
     assert summary["passed"].all()
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["rows"] == len(questions) and run["arguments"]["subjects"] == RIG_SUBJECTS
-    assert set(run["files"]) >= {str(Path(rigged["model"]) / "config.json")}
+    assert {"model/config.json", "adapter flip/adapter_model.safetensors"} <= set(run["files"])
     report = (tmp_path / "run" / "mmlu.md").read_text()
     assert report.startswith("# lora-eval mmlu: PASSED") and "## Subjects with the largest drops" in report
 
@@ -450,6 +455,32 @@ def test_max_drop_exit_code_and_api(rigged, tmp_path):
     pd.testing.assert_frame_equal(written.drop(columns="passed"), result.summary.drop(columns="passed"))
     assert not written.loc[written["model"] == "flip", "passed"].any()
     assert written.loc[written["model"] == "base", "passed"].all()
+
+
+def test_an_interrupted_run_resumes_to_the_same_files(rigged, tmp_path, monkeypatch):
+    """mmlu's batches are the units of its run folder: Ctrl-C after a few batches exits 130 and keeps them; the same
+    command then scores only the rest, and every table equals an uninterrupted run's byte for byte."""
+    args = ["mmlu", "--model", rigged["model"], "--adapter", f"flip={rigged['adapters']['flip']}", "--data", DATA,
+            "--subjects", ",".join(RIG_SUBJECTS), "--limit", RIG_LIMIT, "--shots", 1, "--batch-tokens", 512, "--quiet"]
+    whole = run_cli(*args, "--out", tmp_path / "whole")
+    assert whole.exit_code == 0, (whole.stdout, whole.stderr)
+    original, calls = Engine.next_token_logprobs, []
+
+    def stopping(self, batch, candidates):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, batch, candidates)
+
+    monkeypatch.setattr(Engine, "next_token_logprobs", stopping)
+    assert run_cli(*args, "--out", tmp_path / "run").exit_code == 130
+    monkeypatch.setattr(Engine, "next_token_logprobs", original)
+    resumed = run_cli(*args, "--out", tmp_path / "run")
+    assert resumed.exit_code == 0 and "resuming: 2 of " in resumed.stderr, resumed.stderr
+    work = json.loads((tmp_path / "run" / "run.json").read_text())["work"]
+    assert work["resumed_units"] == 2 and work["units"] > 3
+    for name in ("mmlu_questions.parquet", "mmlu_subjects.csv", "mmlu_summary.csv"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
 
 
 def test_max_drop_boundary_is_exact():
@@ -476,8 +507,6 @@ def edit_lines(path: Path, row: int, replace) -> None:
 
 def test_datasets_is_offline_only_while_reading(monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    from lora_eval.mmlu import _datasets_quiet
-
     with _datasets_quiet() as datasets:
         assert datasets.config.HF_DATASETS_OFFLINE and os.environ["HF_DATASETS_OFFLINE"] == "1"
     assert "HF_DATASETS_OFFLINE" not in os.environ
@@ -549,7 +578,7 @@ def test_bad_cais_data(real, tmp_path):
 
 def test_bad_usage(small_data):
     for args, needles in [(["--subjects", "astrology"], ["--subjects", "'astrology' has no test questions"]),
-                          (["--adapter", f"base={small_data}"], ["--adapter", "'base' names the base model"])]:
+                          (["--adapter", f"base={small_data}"], ["--adapter", "'base' is reserved for reports"])]:
         assert_input_error(run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data / "o",
                                    *args), *needles)
     result = run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data / "o", "--limit", 0)
@@ -581,7 +610,7 @@ def last_position_oracle(model, sequences, candidates) -> torch.Tensor:
 def test_next_token_logprobs_match_transformers(moe_model, engine_adapters, seed):
     sequences = random_sequences(6, 96, seed=seed, min_len=1, max_len=30)
     candidates = torch.randperm(96, generator=torch.Generator().manual_seed(seed))[:4].tolist()
-    engine = Engine.load(moe_model, engine_adapters)
+    engine = Engine.load(moe_model, engine_adapters, CPU)
     for name, oracle in [(None, load_hf(moe_model)), ("peft", peft_oracle(moe_model, engine_adapters["peft"])),
                          ("heads", peft_oracle(moe_model, engine_adapters["heads"]))]:
         got = engine.next_token_logprobs(Batch(sequences, [name] * len(sequences)), candidates)
@@ -599,11 +628,11 @@ def test_mixed_batch_equals_each_run_alone(moe_model, engine_adapters, seed):
     sequences = random_sequences(9, 96, seed=seed, min_len=2, max_len=40)
     tags = [None, "peft", "heads"] * 3
     candidates = [3, 17, 42, 95]
-    engine = Engine.load(moe_model, engine_adapters)
+    engine = Engine.load(moe_model, engine_adapters, CPU)
     mixed = engine.next_token_logprobs(Batch(sequences, tags), candidates)
     for i, (seq, tag) in enumerate(zip(sequences, tags)):
         assert torch.equal(mixed[i], engine.next_token_logprobs(Batch([seq], [tag]), candidates)[0]), (i, tag)
-    base = Engine.load(moe_model).next_token_logprobs(Batch(sequences, [None] * 9), candidates)
+    base = Engine.load(moe_model, None, CPU).next_token_logprobs(Batch(sequences, [None] * 9), candidates)
     assert torch.equal(mixed[0::3], base[0::3])  # base rows are the base model exactly
     assert (mixed[1::3] - base[1::3]).abs().max() > 1e-3 and (mixed[2::3] - base[2::3]).abs().max() > 1e-3
 
@@ -612,9 +641,9 @@ def test_mixed_batch_equals_each_run_alone(moe_model, engine_adapters, seed):
 def test_next_token_logprobs_triton_backend_in_the_interpreter(moe_model, engine_adapters, seed):
     sequences = random_sequences(6, 96, seed=seed, min_len=2, max_len=14)
     tags = [None, "peft", "heads", "peft", None, "heads"]
-    ref = Engine.load(moe_model, engine_adapters).next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
-    triton = Engine.load(moe_model, engine_adapters, backend="triton").next_token_logprobs(Batch(sequences, tags),
-                                                                                            [1, 2, 3, 4])
+    ref = Engine.load(moe_model, engine_adapters, CPU).next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
+    triton = Engine.load(moe_model, engine_adapters, replace(CPU, backend="triton"))
+    triton = triton.next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
     assert (ref - triton).abs().max().item() < 1e-4
 
 
@@ -623,7 +652,7 @@ def test_next_token_logprobs_triton_backend_in_the_interpreter(moe_model, engine
 def test_next_token_logprobs_cuda(moe_model, engine_adapters, seed):
     sequences = random_sequences(12, 96, seed=seed, min_len=2, max_len=40)
     tags = [None, "peft", "heads"] * 4
-    ref = Engine.load(moe_model, engine_adapters).next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
-    cuda = Engine.load(moe_model, engine_adapters, device="cuda").next_token_logprobs(Batch(sequences, tags),
-                                                                                       [1, 2, 3, 4])
+    ref = Engine.load(moe_model, engine_adapters, CPU).next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
+    cuda = Engine.load(moe_model, engine_adapters, replace(CPU, device="cuda"))
+    cuda = cuda.next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
     assert (ref - cuda).abs().max().item() < 1e-4

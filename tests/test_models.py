@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.models import load_model
 from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_model, save_random_peft_adapter
-from tests.conftest import MOE_OVERRIDES
+from tests.conftest import CPU, MOE_OVERRIDES
 
 VOCAB = 96  # tests/builders.py's tiny vocabulary
 FP32_TOL = 1e-5  # max abs logprob difference, ours vs transformers, both float32
@@ -135,14 +136,14 @@ def test_base_logprobs_match_transformers(checkpoint, case, seed):
     model_dir = checkpoint(case)
     seqs = mixed_length_sequences(seed)
     ref = hf_logprobs(load_hf(model_dir), seqs)
-    ours = engine_logprobs(Engine.load(model_dir), seqs)
+    ours = engine_logprobs(Engine.load(model_dir, None, CPU), seqs)
     assert_rows_close(ours, ref, seqs, TIED_FP32_TOL if CASES[case][1].get("tie_word_embeddings") else FP32_TOL)
 
 
 def test_batching_does_not_change_rows(checkpoint, seed):
     """Each row of a right-padded batch equals the same row run alone, bit for bit: the CPU path computes
     GEMMs in fixed row blocks and attention per row, so padding and batch mates cannot change a row."""
-    engine = Engine.load(checkpoint("qwen3_moe"))
+    engine = Engine.load(checkpoint("qwen3_moe"), None, CPU)
     seqs = mixed_length_sequences(seed)
     batched = engine_logprobs(engine, seqs)
     alone = [engine_logprobs(engine, [seq])[0] for seq in seqs]
@@ -174,7 +175,7 @@ def test_llama3_rope_is_used_by_oracle_and_by_us(checkpoint, seed):
     seqs = mixed_length_sequences(seed)
     ref_scaled, ref_default = hf_logprobs(hf_scaled, seqs), hf_logprobs(hf_default, seqs)
     assert max_abs_diff(ref_scaled, ref_default) > 1e-2, "the oracle ignored the llama3 rope settings"
-    assert max_abs_diff(engine_logprobs(Engine.load(scaled_dir), seqs), ref_default) > 1e-2
+    assert max_abs_diff(engine_logprobs(Engine.load(scaled_dir, None, CPU), seqs), ref_default) > 1e-2
 
 
 def test_sharded_checkpoint_has_several_shards(checkpoint):
@@ -202,15 +203,15 @@ def test_tied_checkpoint_stores_no_lm_head(checkpoint):
 def test_bf16_checkpoint_loaded_in_float32_matches_transformers(bf16_checkpoint, seed):
     seqs = mixed_length_sequences(seed)
     ref = hf_logprobs(load_hf(bf16_checkpoint), seqs)
-    ours = engine_logprobs(Engine.load(bf16_checkpoint, dtype="float32"), seqs)
+    ours = engine_logprobs(Engine.load(bf16_checkpoint, None, CPU), seqs)
     assert_rows_close(ours, ref, seqs, FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_engine_is_close_to_float32(bf16_checkpoint, dtype, seed):
     seqs = random_sequences(LOW_PRECISION_ROWS, VOCAB, seed=seed, min_len=2, max_len=24)
-    full = engine_logprobs(Engine.load(bf16_checkpoint, dtype="float32"), seqs)
-    low = engine_logprobs(Engine.load(bf16_checkpoint, dtype=dtype), seqs)
+    full = engine_logprobs(Engine.load(bf16_checkpoint, None, CPU), seqs)
+    low = engine_logprobs(Engine.load(bf16_checkpoint, None, replace(CPU, dtype=dtype)), seqs)
     assert all(row.dtype == torch.float32 for row in low)
     assert all(torch.isfinite(row).all() for row in low)
     diff = mean_abs_diff(low, full)
@@ -317,7 +318,7 @@ def test_meta_load_still_checks_shapes(moe_model, tmp_path, monkeypatch):
 def test_unsupported_architecture_is_refused_by_name(moe_model, tmp_path):
     model_dir = copy_with_config(moe_model, tmp_path / "ckpt", model_type="deepseek_v2",
                                  architectures=["DeepseekV2ForCausalLM"])
-    for load in (lambda: load_model(model_dir), lambda: Engine.load(model_dir)):
+    for load in (lambda: load_model(model_dir), lambda: Engine.load(model_dir, None, CPU)):
         with pytest.raises(UnsupportedError) as info:
             load()
         message = str(info.value)
@@ -351,7 +352,7 @@ def adapter_engine(moe_model, tmp_path_factory, session_seed) -> Engine:
                                        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
         for k, name in enumerate(["alpha", "beta"])
     }
-    return Engine.load(moe_model, adapters)
+    return Engine.load(moe_model, adapters, CPU)
 
 
 @pytest.mark.parametrize("bad_token", [VOCAB, VOCAB + 7, -1])

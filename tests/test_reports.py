@@ -31,11 +31,14 @@ from click.testing import CliRunner
 
 from lora_eval import golden, plots
 from lora_eval.cli import cli
-from lora_eval.compare import write_outputs
-from lora_eval.html_report import read_compare_run, render, worst_tokens
+from lora_eval.compare import worst_tokens
+from lora_eval.formatting import display_table
 from lora_eval.junit import compare_junit, mmlu_junit
+from lora_eval.mmlu_stats import question_table, subject_table, summary_table
 from lora_eval.references import read_reference, write_reference
-from tests.cli_checks import assert_input_error, assert_no_traceback
+from lora_eval.report import render
+from lora_eval.results import COMPARE_SUMMARY_COLUMNS, MmluResult, read_run
+from tests.cli_checks import assert_input_error, assert_no_traceback, save_run
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = ROOT / "references"
@@ -345,12 +348,12 @@ def test_report_command_equals_the_original(regression, shifted_run, tmp_path, f
 
 def test_saved_tables_read_back_exactly(regression, tmp_path):
     """Sample ids that CSV readers like to reinterpret ('NA', '001', '1.0', quotes) survive the round trip."""
-    result = read_compare_run(regression[0] / "run")
+    result = read_run(regression[0] / "run")
     odd = {"base-0": "NA", "base-1": "001", "base-2": "null", "base-3": ' spaced, "quoted"', "base-4": "1.0"}
     for frame in (result.samples, result.tokens, result.worst):
         frame["sample_id"] = frame["sample_id"].replace(odd)
-    write_outputs(result, tmp_path / "odd")
-    again = read_compare_run(tmp_path / "odd")
+    save_run(result, tmp_path / "odd")
+    again = read_run(tmp_path / "odd")
     for name in ("summary", "samples", "tokens", "worst"):
         pd.testing.assert_frame_equal(getattr(again, name), getattr(result, name), check_exact=True, obj=name)
     assert set(odd.values()) <= set(again.samples["sample_id"])
@@ -362,11 +365,12 @@ def test_report_command_bad_input(tmp_path):
     assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path / "missing")]), "run folder not found")
     (tmp_path / "summary.csv").write_text("adapter\nbase\n")
     assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path)]), str(tmp_path), "not a run folder")
-    from lora_eval.compare import SUMMARY_COLUMNS
-
-    (tmp_path / "summary.csv").write_text(",".join(SUMMARY_COLUMNS) + "\n")
+    (tmp_path / "summary.csv").write_text(",".join(COMPARE_SUMMARY_COLUMNS) + "\n")
     (tmp_path / "samples.csv").write_text("adapter,sample_id\nbase,a\n")
     (tmp_path / "run.json").write_text("{}")
+    assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path)]), str(tmp_path), "a partial run",
+                       "run the command that started it again")
+    (tmp_path / "run.json").write_text('{"command": "compare", "status": "complete"}')
     (tmp_path / "tokens.parquet").write_bytes(b"not parquet at all")
     assert_input_error(CliRunner().invoke(cli, ["report", str(tmp_path)]), str(tmp_path / "tokens.parquet"),
                        "not a readable Parquet file")
@@ -475,8 +479,6 @@ MMLU_SUBJECTS = ("abstract_algebra", "astronomy", "philosophy", "world_religions
 def write_mmlu_run(out: Path, rng, max_drop: float = 5.0):
     """A small synthetic MMLU run folder written by lora_eval.mmlu's own table and file functions: base, an
     adapter close to base ('good') and one that turns a third of base's right answers wrong ('bad')."""
-    from lora_eval.mmlu import MmluResult, question_table, subject_table, summary_table, write_outputs
-
     counts = rng.integers(12, 30, len(MMLU_SUBJECTS))
     questions = pd.DataFrame(dict(subject=np.repeat(MMLU_SUBJECTS, counts),
                                   question_index=np.concatenate([np.arange(n) for n in counts]),
@@ -492,16 +494,14 @@ def write_mmlu_run(out: Path, rng, max_drop: float = 5.0):
     lp = np.stack([base, good, bad], axis=1) - 5  # [Q, models, 4]
     table = question_table(questions, ["base", "good", "bad"], lp)
     result = MmluResult(questions=table, subjects=subject_table(table), summary=summary_table(table, max_drop),
-                        run=dict(arguments=dict(model="tiny", split="test", shots=0, max_drop=max_drop, device="cpu",
-                                                dtype="float32"),
-                                 versions=dict(lora_eval="0.1.0"), timings=dict(forward_s=1.5), questions=q))
-    write_outputs(result, out)
+                        run=dict(arguments=dict(model="tiny", split="test", shots=0, max_drop=max_drop),
+                                 resolved=dict(device="cpu", dtype="float32"), versions=dict(lora_eval="0.1.0"),
+                                 timings=dict(forward_s=1.5), questions=q))
+    save_run(result, out)
     return result
 
 
 def test_mmlu_html_junit_and_rerendering(tmp_path, seed):
-    from lora_eval.mmlu import display_table
-
     rng = np.random.default_rng(seed)
     result = write_mmlu_run(tmp_path / "mmlu", rng)
     summary = result.summary
@@ -547,10 +547,10 @@ def test_mmlu_html_junit_and_rerendering(tmp_path, seed):
 def test_mmlu_command_writes_junit(tmp_path, seed, monkeypatch):
     """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.mmlu's, replaced here by
     a synthetic result so no model runs)."""
-    module = importlib.import_module("lora_eval.mmlu")  # the module (lora_eval.mmlu is also a function's name)
     result = write_mmlu_run(tmp_path / "run", np.random.default_rng(seed))
-    monkeypatch.setattr(module, "mmlu", lambda *args, **kwargs: result)
+    monkeypatch.setattr(importlib.import_module("lora_eval.cli"), "mmlu", lambda *args, **kwargs: result)
     junit = tmp_path / "ci" / "mmlu.xml"
+    junit.parent.mkdir()
     got = CliRunner().invoke(cli, ["mmlu", "--model", "m", "--data", "d", "--out", str(tmp_path / "run"),
                                    "--max-drop", "5", "--junit", str(junit)])
     assert got.exit_code == 1, (got.stdout, got.stderr, got.exception)

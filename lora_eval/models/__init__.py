@@ -1,5 +1,6 @@
 """Model families and checkpoint loading: config.json -> family -> our model code with the checkpoint's weights
-(or with in-memory tensors: `load_model_from_tensors`)."""
+(or with in-memory tensors: `load_model_from_tensors`). Quantized checkpoints (MXFP4, block FP8) are dequantised
+on load by lora_eval/quantized.py; `model.args.quantization` then says which numerics the run emulates."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..checkpoint import TensorDict, TensorFiles, read_json
 from ..errors import InputError, UnsupportedError
+from ..quantized import QuantizedFiles, read_quantization
 from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3
 from .layers import Linear, group_projections
 
@@ -26,8 +28,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         raise InputError(model_dir, "model folder not found")
     config_path = model_dir / "config.json"
     config = read_json(config_path)
-    family, args = family_and_args(config, config_path)
-    return _build(family, args, TensorFiles.from_checkpoint_dir(model_dir), dtype, device)
+    family, args, quant = _family_args_quantization(config, config_path)
+    return _build(family, args, TensorFiles.from_checkpoint_dir(model_dir), dtype, device, quant)
 
 
 def load_model_from_tensors(config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -37,26 +39,37 @@ def load_model_from_tensors(config: dict, tensors: dict[str, torch.Tensor], dtyp
     both). A tensor already in `dtype` on `device` becomes our parameter as it is, sharing its storage (no copy);
     others are copied, and so are projections of one input (models.layers.group_projections: q / k / v in one
     buffer). `where` names the source in error messages."""
-    family, args = family_and_args(config, where)
-    return _build(family, args, TensorDict(tensors, where=f"{where} (in-memory tensors)"), dtype, device)
+    family, args, quant = _family_args_quantization(config, where)
+    return _build(family, args, TensorDict(tensors, where=f"{where} (in-memory tensors)"), dtype, device, quant)
 
 
 def family_and_args(config: dict, where):
-    """The family module for config's model_type, and its ModelArgs read from `config`."""
+    """The family module for config's model_type, and its ModelArgs read from `config` (a quantization_config
+    we do not compute is refused here too)."""
+    return _family_args_quantization(config, where)[:2]
+
+
+def _family_args_quantization(config: dict, where):
+    """(family module, its ModelArgs, lora_eval.quantized.Quantization or None) for `config`."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
         raise UnsupportedError(where, f"'{model_type}' ({arch}) is not supported; supported model types: "
                                f"{', '.join(sorted(FAMILIES))}", key="model_type")
     family = FAMILIES[model_type]
-    return family, family.ModelArgs.from_config(config, where=str(where))
+    args = family.ModelArgs.from_config(config, where=str(where))
+    return family, args, read_quantization(config, where)
 
 
-def _build(family, args, files, dtype: torch.dtype, device: str | torch.device):
-    """Our model of `args` with every weight read from `files` (TensorFiles or TensorDict)."""
+def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, quant=None):
+    """Our model of `args` with every weight read from `files` (TensorFiles or TensorDict), dequantised per
+    `quant` (lora_eval.quantized.Quantization) where stored quantized."""
     with torch.device("meta"):
         model = family.CausalLM(args)
+    if quant is not None:
+        files = QuantizedFiles(files, quant, dtype, torch.device(device))
     weights = family.load_weights(model, files, dtype, torch.device(device))
+    args.quantization = files.numerics() if quant is not None else None
     unused = [k for k in files.keys() if k not in files.read_keys and not k.endswith(NOT_WEIGHTS)]
     if unused:
         raise InputError(files.file_of(unused[0]), f"not a weight of a {_describe(args)} model as config.json "

@@ -8,6 +8,8 @@ the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g
 On disk (transformers' layout) the experts are fused, transposed, with gate/up interleaved:
   mlp.experts.gate_up_proj [E, H, 2I] (x @ W; gate = [..., ::2], up = [..., 1::2]), gate_up_proj_bias [E, 2I],
   mlp.experts.down_proj [E, I, H], down_proj_bias [E, H].
+gpt-oss releases store the experts in MXFP4 (`gate_up_proj_blocks` / `_scales`, ...): lora_eval/quantized.py
+dequantises them into exactly this layout, so nothing below knows about it.
 In memory they take the engine's usual layout (FusedExperts: gate_up [E, 2I, H] gate rows then up rows, down
 [E, H, I]): `load_weights` de-interleaves and transposes them once, the one place where the on-disk layout differs
 from our modules. Module paths equal the Hugging Face ones, so adapter keys address our modules directly.
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import InputError, UnsupportedError
+from ..errors import InputError
 from . import qwen3
 from .layers import FusedExperts, Linear, RMSNorm, deinterleave_gate_up, yarn_rope
 from .layers import rope_inv_freq as default_rope_inv_freq
@@ -63,6 +65,7 @@ class ModelArgs:
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the yarn parameters
     rope_scale: float = 1.0  # the rope's attention factor, multiplied into cos and sin
     where: str = "config.json"
+    quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -75,11 +78,6 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
         read = _reader(config, where)
-        if config.get("quantization_config"):
-            quant = config["quantization_config"]
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise UnsupportedError(where, f"quantized checkpoints ({method}) are not supported; use a dequantized "
-                                   "(bf16 or fp32) copy", key="quantization_config")
         heads = read("num_attention_heads", int, minimum=1)
         hidden = read("hidden_size", int, minimum=1)
         layers = read("num_hidden_layers", int, minimum=1)

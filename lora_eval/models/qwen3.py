@@ -46,6 +46,7 @@ class ModelArgs:
     sparse_layers: tuple[int, ...] = ()
     rope: dict = field(default_factory=dict)
     where: str = "config.json"  # the config file, for error messages
+    quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":

@@ -1,0 +1,74 @@
+"""Shared by every renderer (terminal, Markdown, HTML): how a cell, a verdict and a delta in points are written."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+# compare summary columns shown to people
+SHOWN = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error",
+         "passed", "failed"]
+NEWLINE = "\u23ce"  # shown for a newline inside token text
+
+
+def cell(value) -> str:
+    if isinstance(value, (float, np.floating)):
+        return f"{float(value):.4g}"
+    if isinstance(value, (bool, np.bool_)) or str(value) in ("True", "False"):
+        return "PASS" if value in (True, "True") else "FAIL"
+    return str(value)
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    header = "| " + " | ".join(frame.columns) + " |"
+    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
+    rows = ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([header, rule, *rows])
+
+
+def fixed_width(frame: pd.DataFrame) -> str:
+    """A table for the terminal: left-aligned columns two spaces apart."""
+    cells = [list(frame.columns)] + [[cell(v) for v in row] for row in frame.itertuples(index=False)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def shown_text(text: str) -> str:
+    """Token text with newlines and tabs made visible."""
+    return str(text).replace("\n", NEWLINE).replace("\t", "\u21e5")
+
+
+def model_line(run: dict) -> str:
+    """'Model `M`, dtype D, device X' (and the quantized checkpoint's numerics): the first line of every report."""
+    args, resolved = run.get("arguments", {}), run.get("resolved", {})
+    quantized = f" ({run['quantization']})" if run.get("quantization") else ""
+    return f"Model `{args.get('model')}`{quantized}, dtype {resolved.get('dtype')}, device {resolved.get('device')}"
+
+
+def compare_verdict(summary: pd.DataFrame) -> str:
+    failed = [f"{r.adapter} ({r.failed})" for r in summary.itertuples() if not bool(r.passed)]
+    return "PASSED" if not failed else "FAILED: " + "; ".join(failed)
+
+
+def points(value: float) -> str:
+    """A fraction as signed percentage points ('' for NaN)."""
+    return "" if math.isnan(value) else f"{100 * value:+.1f}"
+
+
+def display_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """An MMLU summary with accuracy in % and delta in points with its interval, for people."""
+    return pd.DataFrame({
+        "model": summary["model"], "group": summary["group"], "questions": summary["questions"].astype(str),
+        "accuracy %": [f"{100 * a:.1f}" for a in summary["accuracy"]],
+        "delta (points)": [points(d) for d in summary["delta"]],
+        "95% interval": ["" if math.isnan(lo) else f"[{points(lo)}, {points(hi)}]"
+                         for lo, hi in zip(summary["delta_low"], summary["delta_high"])],
+        "passed": summary["passed"]})
+
+
+def mmlu_verdict(summary: pd.DataFrame, max_drop: float | None) -> str:
+    failed = summary[(summary["group"] == "micro") & ~summary["passed"].astype(bool)]
+    return "PASSED" if not len(failed) else "FAILED: " + "; ".join(
+        f"{r.model} ({points(r.delta)} points, limit -{max_drop:g})" for r in failed.itertuples())

@@ -1,0 +1,90 @@
+"""MMLU prompts: the paper's k-shot format, tokenised with the model's own tokenizer, and the answer tokens.
+
+Prompt (one space after "about", where the original script printed two):
+    The following are multiple choice questions (with answers) about {subject, _ as spaces}.\\n\\n
+    then k dev examples, each  {question}\\nA. {A}\\nB. {B}\\nC. {C}\\nD. {D}\\nAnswer: {letter}\\n\\n
+    then the test question      {question}\\nA. {A}\\nB. {B}\\nC. {C}\\nD. {D}\\nAnswer:
+The shots are the subject's first k dev rows. When the tokenised prompt is longer than the model's
+`max_position_embeddings`, shots are dropped from the end until it fits (the paper's rule).
+
+Scored token. The dev examples continue "Answer:" with " A"; so the candidates are the tokens that the
+model's own tokenizer produces for the letter right after "\\nAnswer:" in the text "\\nAnswer: A" — " A" (one
+token, `ĠA`) for byte-level BPE tokenizers (Qwen, Llama 3, GPT-2), `▁A` for SentencePiece ones. That is
+the token the model saw after "Answer:" in every shot, so it is the natural next token; the bare "A" is a
+different token that the prompt never shows in that position. A tokenizer that splits " A" there into more than
+one token is refused (UnsupportedError): lora-eval scores exactly one token per letter.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from .errors import InputError, UnsupportedError
+from .mmlu_data import LETTERS
+
+
+def subject_header(subject: str) -> str:
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+def format_question(row, with_answer: bool) -> str:
+    """One question block; `row` maps question, A-D and answer (a dev example shows its answer)."""
+    text = row["question"] + "".join(f"\n{x}. {row[x]}" for x in LETTERS) + "\nAnswer:"
+    return text + f" {row['answer']}\n\n" if with_answer else text
+
+
+def answer_tokens(tokenizer, model) -> list[int]:
+    """Token ids of A, B, C, D as they follow "\\nAnswer:" in "\\nAnswer: A" (see the module docstring)."""
+    stub = tokenizer("\nAnswer:", add_special_tokens=False)["input_ids"]
+    ids = []
+    for letter in LETTERS:
+        full = tokenizer(f"\nAnswer: {letter}", add_special_tokens=False)["input_ids"]
+        if full[:len(stub)] != stub or len(full) != len(stub) + 1:
+            pieces = tokenizer.convert_ids_to_tokens(full[len(stub):] if full[:len(stub)] == stub else full)
+            raise UnsupportedError(model, f"the tokenizer does not make ' {letter}' after 'Answer:' one token (it "
+                                   f"gives {pieces}); mmlu scores one token per answer letter", key="tokenizer")
+        ids.append(full[-1])
+    if len(set(ids)) != len(LETTERS):
+        raise UnsupportedError(model, f"the answer letters share tokens {ids}", key="tokenizer")
+    return ids
+
+
+def prompt_prefixes(questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int) -> dict[str, list[str]]:
+    """subject -> [header + the first k dev examples with answers, for k = 0..shots]."""
+    prefixes = {}
+    for subject in questions["subject"].unique():
+        blocks = [] if shots == 0 else [format_question(r, True) for r in
+                                        dev[dev["subject"] == subject].head(shots).to_dict("records")]
+        prefixes[subject] = [subject_header(subject) + "".join(blocks[:k]) for k in range(shots + 1)]
+    return prefixes
+
+
+def prompts(questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int) -> list[str]:
+    """The paper's `shots`-shot prompt of every question: header, dev examples, the question ending "\\nAnswer:"."""
+    prefixes = prompt_prefixes(questions, dev, shots)
+    return [prefixes[q["subject"]][shots] + format_question(q, False) for q in questions.to_dict("records")]
+
+
+def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int,
+                     max_len: int | None) -> tuple[list[list[int]], list[int]]:
+    """Token ids of every question's prompt (with the tokenizer's special tokens, e.g. BOS) and the shots it
+    kept: a prompt longer than `max_len` drops shots from the end until it fits."""
+    prefixes = prompt_prefixes(questions, dev, shots)
+    records = questions.to_dict("records")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence longer than the model maximum": checked here
+    try:
+        ids = tokenizer(prompts(questions, dev, shots))["input_ids"]
+        used = [shots] * len(ids)
+        for i, q in enumerate(records):
+            while max_len is not None and len(ids[i]) > max_len:
+                if used[i] == 0:
+                    raise InputError(q["file"], f"the prompt is {len(ids[i])} tokens even without shots, more than "
+                                     f"the model's max_position_embeddings ({max_len})", key=f"row {q['row']}")
+                used[i] -= 1
+                ids[i] = tokenizer(prefixes[q["subject"]][used[i]] + format_question(q, False))["input_ids"]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return ids, used

@@ -1,0 +1,170 @@
+"""Results: each task's tables (DataFrames first) and run record, the table files of a run folder, and reading a
+complete run folder back.
+
+A compare run folder holds summary.csv, samples.csv, tokens.parquet, worst_tokens.parquet, report.md, report.html
+and run.json; an mmlu run folder mmlu_questions.parquet, mmlu_subjects.csv, mmlu_summary.csv, mmlu.md, report.html
+and run.json. run.json is the run record: the command, its arguments, the fingerprint (runfolder.py), versions,
+timings, and "status": "complete" once the run has finished. A folder without that status is refused.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+
+from .errors import EXIT_PASS, EXIT_THRESHOLD, InputError
+from .runfolder import read_record
+
+WORST_PER_ADAPTER = 5  # worst tokens listed per adapter
+COMPARE_SUMMARY_COLUMNS = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3",
+                           "mult_prob_error", "passed"]
+WORST_COLUMNS = ["adapter", "sample_id", "position", "token_id", "token", "context", "ref", "engine", "d", "sampler"]
+QUESTION_COLUMNS = ["subject", "category", "question_index", "model", "answer", "prediction", "correct",
+                    "lp_A", "lp_B", "lp_C", "lp_D"]
+SUBJECT_COLUMNS = ["subject", "category", "model", "questions", "correct", "accuracy", "delta", "delta_low",
+                   "delta_high"]
+MMLU_SUMMARY_COLUMNS = ["model", "group", "questions", "accuracy", "delta", "delta_low", "delta_high", "passed"]
+
+
+class Verdict:
+    """A result's verdict, from its summary's `passed` column: every row passed, and the exit code that says so."""
+
+    summary: pd.DataFrame
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.summary["passed"].all())
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PASS if self.passed else EXIT_THRESHOLD
+
+
+@dataclass
+class CompareResult(Verdict):
+    summary: pd.DataFrame  # one row per adapter ('base' for the base model) plus 'overall'
+    samples: pd.DataFrame  # one row per sample
+    tokens: pd.DataFrame  # one row per predicted token
+    run: dict = field(default_factory=dict)  # the run record (run.json)
+    worst: pd.DataFrame = field(default_factory=pd.DataFrame)  # worst tokens per adapter, decoded with context
+
+
+@dataclass
+class MmluResult(Verdict):
+    questions: pd.DataFrame  # one row per (model, test question)
+    subjects: pd.DataFrame  # one row per (subject, model)
+    summary: pd.DataFrame  # one row per (model, group)
+    run: dict = field(default_factory=dict)  # the run record (run.json)
+
+
+# ---- the files ------------------------------------------------------------------------------------------
+
+
+def _csv(frame: pd.DataFrame) -> bytes:
+    return frame.to_csv(index=False).encode("utf-8")
+
+
+def _parquet(frame: pd.DataFrame) -> bytes:
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer, index=False)
+    return buffer.getvalue()
+
+
+def table_files(result: CompareResult | MmluResult) -> dict[str, bytes]:
+    """The run folder's table files of a result, as bytes (the same tables give the same bytes)."""
+    if isinstance(result, CompareResult):
+        return {"summary.csv": _csv(result.summary), "samples.csv": _csv(result.samples),
+                "tokens.parquet": _parquet(result.tokens), "worst_tokens.parquet": _parquet(result.worst)}
+    return {"mmlu_questions.parquet": _parquet(result.questions), "mmlu_subjects.csv": _csv(result.subjects),
+            "mmlu_summary.csv": _csv(result.summary)}
+
+
+# ---- reading a run folder back --------------------------------------------------------------------------
+
+
+def complete_record(run_dir: str | Path) -> dict:
+    """run.json of a complete run folder; InputError for anything else, saying how to finish a partial run."""
+    run_dir = Path(run_dir)
+    partial = run_dir.with_name(run_dir.name + ".partial")
+    if not run_dir.exists():
+        if partial.is_dir():
+            raise InputError(run_dir, f"the run is not finished: its parts are in {partial}; run the command that "
+                             "started it again to resume")
+        raise InputError(run_dir, "run folder not found")
+    if not run_dir.is_dir():
+        raise InputError(run_dir, "not a run folder (a file)")
+    record = read_record(run_dir)
+    if record.get("status") != "complete":
+        raise InputError(run_dir, "a partial run (no completion record in run.json): run the command that started "
+                         "it again (its arguments are in run.json) to resume it")
+    if record.get("command") not in ("compare", "mmlu"):
+        raise InputError(run_dir / "run.json", f"a {record.get('command')!r} run has no report (expected a compare "
+                         "or an mmlu run)", key="command")
+    return record
+
+
+def read_run(run_dir: str | Path) -> CompareResult | MmluResult:
+    """A complete compare run folder as a CompareResult, an mmlu one as an MmluResult: tables and run.json as saved."""
+    run_dir = Path(run_dir)
+    record = complete_record(run_dir)
+    if record["command"] == "compare":
+        summary = _require(_read_csv(run_dir / "summary.csv", ["adapter", "failed"]), run_dir / "summary.csv",
+                           COMPARE_SUMMARY_COLUMNS)
+        samples = _require(_read_csv(run_dir / "samples.csv", ["adapter", "sample_id"]), run_dir / "samples.csv",
+                           ["adapter", "sample_id"])
+        tokens = _require(_read_parquet(run_dir / "tokens.parquet"), run_dir / "tokens.parquet",
+                          ["adapter", "sample_id", "position", "d", "mask"])
+        worst = _require(_read_parquet(run_dir / "worst_tokens.parquet"), run_dir / "worst_tokens.parquet",
+                         WORST_COLUMNS)
+        for frame in (tokens, worst):
+            for column in ("adapter", "sample_id", "token", "context"):
+                if column in frame:
+                    frame[column] = frame[column].astype(object)
+        return CompareResult(summary=summary, samples=samples, tokens=tokens, run=record, worst=worst)
+    summary = _require(_read_csv(run_dir / "mmlu_summary.csv", ["model", "group"]), run_dir / "mmlu_summary.csv",
+                       MMLU_SUMMARY_COLUMNS)
+    subjects = _require(_read_csv(run_dir / "mmlu_subjects.csv", ["subject", "category", "model"]),
+                        run_dir / "mmlu_subjects.csv", SUBJECT_COLUMNS)
+    questions = _require(_read_parquet(run_dir / "mmlu_questions.parquet"), run_dir / "mmlu_questions.parquet",
+                         QUESTION_COLUMNS)
+    for column in ("model", "subject", "category", "answer", "prediction"):
+        questions[column] = questions[column].astype(object)
+    return MmluResult(questions=questions, subjects=subjects, summary=summary, run=record)
+
+
+def _require(frame: pd.DataFrame, path: Path, columns: list[str]) -> pd.DataFrame:
+    """A saved table with the columns the reports read, or an error naming the first missing one."""
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise InputError(path, "missing column (was this file written by lora-eval?)", key=missing[0])
+    return frame
+
+
+def _read_csv(path: Path, text: list[str]) -> pd.DataFrame:
+    """A saved table as written: `text` columns as exact strings ('' stays '', 'NA' stays 'NA'), empty cells of
+    the other columns as NaN (how to_csv writes NaN); float columns round-trip exactly."""
+    if not path.is_file():
+        raise InputError(path, "file missing from the run folder")
+    try:
+        header = pd.read_csv(path, nrows=0).columns
+        frame = pd.read_csv(path, dtype={c: str for c in text if c in header}, keep_default_na=False,
+                            na_values={c: [""] for c in header if c not in text})
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(path, f"not a readable CSV file ({e})") from None
+    for column in text:
+        if column in frame:
+            frame[column] = frame[column].astype(object)
+    return frame
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        raise InputError(path, "file missing from the run folder")
+    try:
+        return pd.read_parquet(path)
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(path, f"not a readable Parquet file ({e})") from None

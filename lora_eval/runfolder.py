@@ -1,0 +1,598 @@
+"""Run folders: a run's output is complete or absent, written by one process at a time, resumable after any kill.
+
+For `--out OUT` (a folder; for dump-reference one Parquet file):
+  OUT.lock      while a run is alive: flock'ed and naming its holder (pid, host, start time, command)
+  OUT.partial/  the run while it works: run.json ("status": "partial", the fingerprint, the arguments) and
+                parts/part-NNNNNN.parquet, each holding the results of some finished units of work (batches,
+                samples), written whole (a temporary name, fsync, rename)
+  OUT           the finished run, made by one rename: its files and run.json with "status": "complete" and the
+                completion record (a single file keeps its record in its own Parquet metadata)
+
+The fingerprint names what a run's numbers depend on: the contents of the input files, the task's options, the
+package versions and the device. Re-running the same command (same fingerprint) into a complete OUT recomputes
+nothing; into OUT.partial it computes only the units no part holds, in the same batches, so the finished tables
+are byte-identical to an uninterrupted run's. Any other fingerprint, or another command's run, is refused with the
+differences named, unless `overwrite`. SIGINT / SIGTERM during the work stop after the current unit, keep the parts
+and raise Interrupted (exit 130 / 143).
+
+Parts are written every PART_ITEMS items (samples, rows) or PART_SECONDS seconds, whichever comes first; the
+environment variables LORA_EVAL_PART_ITEMS and LORA_EVAL_PART_SECONDS change both (tests use small parts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import threading
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import InputError, Interrupted
+from .progress import progress
+
+PART_ITEMS = 256
+PART_SECONDS = 30.0
+SAMPLED_BLOCKS = 256  # blocks of SAMPLED_BLOCK bytes read from each weight file for its fingerprint
+SAMPLED_BLOCK = 1 << 16
+PACKAGES = ("lora-eval", "torch", "transformers", "peft", "safetensors", "triton", "numpy", "pandas", "pyarrow")
+RECORD_KEY = b"lora_eval.run"  # a single-file output's run record, in its Parquet metadata
+
+
+# ---- the output path ------------------------------------------------------------------------------------
+
+
+def check_out(out: str | Path | None, option: str = "--out", single_file: bool = False) -> Path | None:
+    """`out` as a Path, refused (InputError) unless its parent folder exists and is writable and `out` is not
+    something else (a file where a folder goes, or the other way round). Writes nothing."""
+    if out is None:
+        return None
+    out = Path(out)
+    if not str(out) or out.name in ("", ".", ".."):
+        raise InputError(option, f"'{out}' does not name a {'file' if single_file else 'folder'} to write")
+    parent = out.absolute().parent
+    if not parent.exists():
+        raise InputError(option, f"folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise InputError(option, f"{parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(option, f"folder {parent} is not writable")
+    if single_file and out.is_dir():
+        raise InputError(option, f"{out} is a folder; expected a file name")
+    if not single_file and out.exists() and not out.is_dir():
+        raise InputError(option, f"{out} exists and is not a folder")
+    return out
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """`data` at `path`, whole or not at all: written under a temporary name, flushed to disk, renamed."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def json_bytes(record: dict) -> bytes:
+    return (json.dumps(record, indent=2, default=str) + "\n").encode("utf-8")
+
+
+# ---- fingerprints ---------------------------------------------------------------------------------------
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of the whole file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"sha256:{h.hexdigest()}"
+
+
+def weights_digest(path: Path) -> str:
+    """A safetensors file without reading all of it: sha256 over its size, its header (names, dtypes, shapes,
+    offsets) and SAMPLED_BLOCKS evenly spaced blocks of its data — two checkpoints of one shape differ in every
+    block, so this tells them apart, at 16 MiB read per file instead of gigabytes."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header = int.from_bytes(head, "little") if len(head) == 8 else 0
+        h.update(head + f.read(min(header, size)))
+        start = 8 + header
+        if size - start <= SAMPLED_BLOCKS * SAMPLED_BLOCK:
+            h.update(f.read())
+        else:
+            step = (size - start - SAMPLED_BLOCK) // (SAMPLED_BLOCKS - 1)
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(start + i * step)
+                h.update(f.read(SAMPLED_BLOCK))
+    return f"sampled-sha256:{h.hexdigest()}"
+
+
+def model_files(model_dir: str | Path) -> dict[str, str]:
+    """Fingerprints of a model folder's files: config, tokenizer and index files whole, weight files sampled."""
+    model_dir = Path(model_dir)
+    files = {}
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        if path.suffix == ".safetensors":
+            files[f"model/{path.name}"] = weights_digest(path)
+        elif path.suffix == ".json":
+            files[f"model/{path.name}"] = config_digest(path)
+        elif path.suffix in (".json", ".txt", ".model", ".tiktoken", ".jinja") or path.name.startswith("tokenizer"):
+            files[f"model/{path.name}"] = file_digest(path)
+    return files
+
+
+def adapter_files(adapters: dict[str, str | Path]) -> dict[str, str]:
+    """Fingerprints of every adapter folder's adapter_* files, under the adapter's name; adapter_config.json by its
+    content (PEFT writes its sets, e.g. target_modules, in a different order each time it saves)."""
+    return {f"adapter {name}/{path.name}": config_digest(path) if path.suffix == ".json" else file_digest(path)
+            for name, folder in adapters.items() for path in sorted(Path(folder).glob("adapter_*")) if path.is_file()}
+
+
+def config_digest(path: Path) -> str:
+    """sha256 of a JSON file's content: keys sorted, and lists of plain values sorted (PEFT's sets); the file's
+    bytes when it is not JSON (the adapter loader then says what is wrong)."""
+    def canonical(value):
+        if isinstance(value, dict):
+            return {k: canonical(v) for k, v in value.items()}
+        if isinstance(value, list):
+            items = [canonical(v) for v in value]
+            plain = all(isinstance(v, str) for v in items) or all(isinstance(v, (int, float)) for v in items)
+            return sorted(items) if plain else items
+        return value
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return file_digest(path)
+    text = json.dumps(canonical(data), sort_keys=True, separators=(",", ":"))
+    return f"json-sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def versions(*extra: str) -> dict[str, str]:
+    """Versions of Python and of the packages whose code computes or writes the results."""
+    found = {"python": platform.python_version()}
+    for package in (*PACKAGES, *extra):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def fingerprint(command: str, files: dict[str, str], options: dict, package_versions: dict) -> dict:
+    """What a run's results depend on, in the form run.json keeps (JSON round trip: equal means equal)."""
+    return json.loads(json.dumps(dict(command=command, files=files, options=options, versions=package_versions),
+                                 default=str))
+
+
+def differences(stored: dict, current: dict) -> list[str]:
+    """What differs between two fingerprints, in words: 'file model/config.json changed', 'batch_tokens 1 -> 2'."""
+    found = []
+    if stored.get("command") != current.get("command"):
+        found.append(f"it is a {stored.get('command')} run, not a {current.get('command')} run")
+    old, new = stored.get("files") or {}, current.get("files") or {}
+    for name in sorted(set(old) | set(new)):
+        if name not in new:
+            found.append(f"{name} is not an input now")
+        elif name not in old:
+            found.append(f"{name} is a new input")
+        elif old[name] != new[name]:
+            found.append(f"{name} changed")
+    for section in ("options", "versions"):
+        old, new = stored.get(section) or {}, current.get(section) or {}
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                found.append(f"{key} {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}")
+    return found
+
+
+def _said(found: list[str]) -> str:
+    return "; ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---- the lock -------------------------------------------------------------------------------------------
+
+
+class Lock:
+    """One writer per output: an flock on OUT.lock, whose content names the holder. The kernel drops the flock when
+    its process dies, so a lock file a dead process left behind is taken over (with a one-line notice); a live
+    holder makes the second run stop at once (InputError naming pid, host and start time)."""
+
+    def __init__(self, path: Path, out: Path, command: str):
+        self.path, self.out, self.command = path, out, command
+        self.fd: int | None = None
+
+    def acquire(self, notice) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise InputError(self.out, f"another lora-eval run is writing here ({_holder_text(holder)}); wait "
+                                 f"for it to finish or choose another output") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed the file as we opened it: lock the new one
+        previous = _read_holder(fd)
+        if previous:
+            if previous.get("host") not in (None, socket.gethostname()):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+                raise InputError(self.path, f"left by a run on another host ({_holder_text(previous)}); if that run "
+                                 "is gone, delete this file")
+            notice(f"note: taking over the lock of a run that is no longer alive ({_holder_text(previous)})")
+        record = dict(pid=os.getpid(), host=socket.gethostname(), started=now(), command=self.command)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)  # closing drops the flock
+        self.fd = None
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        data = json.loads(os.pread(fd, 1 << 16, 0).decode() or "{}")
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {"holder": "unreadable lock file"}
+    return data if isinstance(data, dict) else {}
+
+
+def _holder_text(holder: dict) -> str:
+    if not holder:
+        return "holder not recorded yet"
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}, "
+            f"{holder.get('command')}")
+
+
+# ---- the run folder -------------------------------------------------------------------------------------
+
+
+class RunFolder:
+    """The output of one run (`out` a folder, or one file with `single_file`); `None` for a run kept in memory
+    only (no lock, no parts, nothing written). Use as a context manager: entering takes the lock and looks at what
+    `out` holds — `stored` is then the record of a complete run of the same fingerprint (nothing to compute), else
+    the run starts or resumes in the staging folder. `record` (arguments and the like) goes into run.json."""
+
+    def __init__(self, out: Path | None, command: str, fingerprint: dict, record: dict | None = None, *,
+                 overwrite: bool = False, single_file: bool = False, notice=print):
+        self.out, self.command, self.fingerprint = out, command, fingerprint
+        self.record = dict(record or {})
+        self.overwrite, self.single_file, self.notice = overwrite, single_file, notice
+        self.stored: dict | None = None
+        self.resumed_parts = 0
+        if out is not None:
+            self.staging = out.with_name(out.name + ".partial")
+            self.parts_dir = self.staging / "parts"
+            self._lock = Lock(out.with_name(out.name + ".lock"), out, command)
+
+    def __enter__(self) -> "RunFolder":
+        if self.out is None:
+            return self
+        self._lock.acquire(self.notice)
+        try:
+            self._clean_leftovers()
+            self._look()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.out is not None:
+            self._lock.release()
+
+    # -- what is there --
+
+    def _look(self) -> None:
+        """Set `stored`, or prepare the staging folder: new, resumed (same fingerprint), or discarded (another
+        fingerprint, with overwrite). `overwrite` replaces what OUT holds; a partial run of this very fingerprint
+        is resumed either way."""
+        staged = self._staged_record()
+        if staged is not None and staged.get("fingerprint") != self.fingerprint:
+            if not self.overwrite:
+                raise InputError(self.staging, f"holds an unfinished run of other inputs or options "
+                                 f"({_said(differences(staged.get('fingerprint') or {}, self.fingerprint))}); "
+                                 "re-run the command that started it to finish it, or --overwrite to discard it")
+            shutil.rmtree(self.staging)
+            staged = None
+        if staged is not None and staged.get("status") == "complete":  # killed between the last write and the rename
+            self._promote()
+            self._reuse(staged)
+            return
+        if self.out.exists() and not (self.out.is_dir() and not any(self.out.iterdir())):
+            stored = self._stored_record()
+            found = differences(stored.get("fingerprint") or {}, self.fingerprint)
+            if not self.overwrite:
+                if not found:
+                    self._reuse(stored)
+                    return
+                what = "run" if self.single_file else f"{stored.get('command')} run"
+                raise InputError(self.out, f"holds a complete {what} of other inputs or options ({_said(found)}); "
+                                 "--overwrite replaces it, or choose another output")
+        if staged is None:
+            self._start_staging()
+        else:
+            self.resumed_parts = len(list(self.parts_dir.glob("part-*.parquet")))
+
+    def _reuse(self, record: dict) -> None:
+        self.stored = record
+        self.notice(f"{self.out} holds this run already (same inputs and options): nothing recomputed; --overwrite "
+                    "runs it again")
+
+    def _staged_record(self) -> dict | None:
+        if not self.staging.is_dir():
+            return None
+        try:
+            record = json.loads((self.staging / "run.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if not isinstance(record, dict):
+            raise InputError(self.staging, "is not the working folder of a lora-eval run (no readable run.json); "
+                             "move it away or choose another output")
+        return record
+
+    def _stored_record(self) -> dict:
+        """The record of the complete run at `out`; InputError when `out` holds something else."""
+        if self.single_file:
+            try:
+                metadata = pq.read_schema(self.out).metadata or {}
+            except (pa.ArrowException, OSError):
+                metadata = {}
+            if RECORD_KEY not in metadata:
+                if not self.overwrite:
+                    raise InputError(self.out, f"exists and was not written by lora-eval {self.command}; "
+                                     "--overwrite replaces it, or choose another file")
+                return {}
+            return json.loads(metadata[RECORD_KEY])
+        record = read_record(self.out, required=False)
+        if record is None:
+            raise InputError(self.out, "exists and is not a lora-eval run folder (no run.json); lora-eval does not "
+                             "replace it: choose another --out")
+        if record.get("status") != "complete" or "fingerprint" not in record:
+            if not self.overwrite:
+                raise InputError(self.out, "holds an incomplete run or one written by an earlier lora-eval (no "
+                                 "completion record in run.json); --overwrite replaces it")
+            return {}
+        return record
+
+    def _clean_leftovers(self) -> None:
+        """Temporary names a killed run left (we hold the lock: nobody else is writing them)."""
+        parent = self.out.parent
+        for path in parent.glob(f"{self.out.name}.partial.tmp-*"):
+            shutil.rmtree(path, ignore_errors=True)
+        if self.out.exists():
+            for path in parent.glob(f"{self.out.name}.replaced-*"):
+                shutil.rmtree(path, ignore_errors=True)
+        for path in self.staging.glob("**/*.tmp-*") if self.staging.is_dir() else ():
+            path.unlink()
+
+    def _start_staging(self) -> None:
+        tmp = self.out.with_name(f"{self.out.name}.partial.tmp-{os.getpid()}")
+        (tmp / "parts").mkdir(parents=True)
+        record = dict(command=self.command, status="partial", started=now(), **self.record,
+                      fingerprint=self.fingerprint)
+        atomic_write(tmp / "run.json", json_bytes(record))
+        os.rename(tmp, self.staging)
+        _fsync_dir(self.staging.parent)
+
+    # -- the work --
+
+    def work(self, weights: list[int], desc: str, unit: str, quiet: bool = False) -> "Work":
+        """The units of this run's work (weights: progress per unit, e.g. tokens of a batch), with the units
+        finished before read back from the parts."""
+        done = {} if self.out is None else read_parts(self.parts_dir, self.notice)
+        return Work(self, weights, done, desc, unit, quiet)
+
+    # -- the end --
+
+    def commit(self, files: dict[str, bytes], record: dict) -> None:
+        """Write the finished run's files and run.json (the completion record), then make OUT appear."""
+        if self.out is None:
+            return
+        for name, data in files.items():
+            atomic_write(self.staging / name, data)
+        record = dict(command=self.command, status="complete", **record, fingerprint=self.fingerprint)
+        atomic_write(self.staging / "run.json", json_bytes(record))
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        self._promote()
+
+    def commit_file(self, data: bytes) -> None:
+        """A single-file output: `data` (which carries its own record) replaces OUT in one rename."""
+        if self.out is None:
+            return
+        atomic_write(self.staging / self.out.name, data)
+        os.replace(self.staging / self.out.name, self.out)
+        _fsync_dir(self.out.parent)
+        shutil.rmtree(self.staging)
+
+    def _promote(self) -> None:
+        """staging -> OUT in one rename (an empty OUT folder, or the run `overwrite` replaces, goes first)."""
+        old = None
+        if self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
+        elif self.out.exists():
+            old = self.out.with_name(f"{self.out.name}.replaced-{os.getpid()}")
+            os.rename(self.out, old)
+        os.rename(self.staging, self.out)
+        _fsync_dir(self.out.parent)
+        if old is not None:
+            shutil.rmtree(old)
+
+    def resume_hint(self) -> str:
+        return "nothing was kept (no output given)" if self.out is None else \
+            f"finished parts are kept in {self.staging}; run the same command again to resume"
+
+
+def read_record(folder: Path, required: bool = True) -> dict | None:
+    """A run folder's run.json as a dict (None when absent and not `required`)."""
+    path = folder / "run.json"
+    if not path.is_file():
+        if required:
+            raise InputError(folder, "not a run folder (no run.json)")
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(path, f"not valid JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise InputError(path, f"expected a JSON object, found {type(record).__name__}")
+    return record
+
+
+# ---- parts ----------------------------------------------------------------------------------------------
+
+
+def read_parts(parts_dir: Path, notice) -> dict[int, pd.DataFrame]:
+    """unit -> its rows, from every part a run left. A part that cannot be read (the disk lost it) is dropped
+    with a notice: its units are computed again."""
+    done = {}
+    for path in sorted(parts_dir.glob("part-*.parquet")):
+        try:
+            frame = pq.read_table(path).to_pandas()
+        except (pa.ArrowException, OSError) as e:
+            notice(f"note: dropping unreadable part {path} ({e}); its work is done again")
+            path.unlink()
+            continue
+        for unit, rows in frame.groupby("_unit", sort=False):
+            done[int(unit)] = rows.drop(columns="_unit").reset_index(drop=True)
+    return done
+
+
+class Work:
+    """The units of a run's work. `pending(units)` lists those no part holds; `record(unit, rows)` keeps a unit's
+    result (a DataFrame), writing a part every PART_ITEMS rows or PART_SECONDS seconds; `results()` gives every
+    unit's rows. Inside `with`: a progress bar that starts at the resumed amount, and SIGINT / SIGTERM ask for a
+    stop after the current unit (a second signal stops at once), which writes the pending rows as a part and raises
+    Interrupted."""
+
+    def __init__(self, folder: RunFolder, weights: list[int], done: dict[int, pd.DataFrame], desc: str, unit: str,
+                 quiet: bool):
+        self.folder, self.weights, self.done = folder, list(weights), dict(done)
+        self.desc, self.unit, self.quiet = desc, unit, quiet
+        self.part_items = int(os.environ.get("LORA_EVAL_PART_ITEMS", PART_ITEMS))
+        self.part_seconds = float(os.environ.get("LORA_EVAL_PART_SECONDS", PART_SECONDS))
+        self.resumed_units = len(self.done)
+        self.computed = 0  # weight of the units computed by this process
+        self.parts_s = 0.0  # time spent writing parts
+        self._pending: dict[int, pd.DataFrame] = {}
+        self._last_flush = time.monotonic()
+        self._stop: int | None = None
+        self._handlers: dict = {}
+        self._next_part = 1 + max((int(p.stem.split("-")[1]) for p in folder.parts_dir.glob("part-*.parquet")),
+                                  default=-1) if folder.out is not None else 0
+
+    def __enter__(self) -> "Work":
+        done = sum(self.weights[u] for u in self.done if u < len(self.weights))
+        if self.done:
+            self.folder.notice(f"resuming: {len(self.done)} of {len(self.weights)} {self.desc} units already done "
+                               f"({done:,} of {sum(self.weights):,} {self.unit}) in {self.folder.staging}")
+        self.bar = progress(sum(self.weights), self.desc, self.unit, self.quiet, initial=done)
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._handlers[signum] = signal.signal(signum, self._ask_stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.flush()  # also after an error: the finished units are kept for a re-run
+        finally:
+            for signum, handler in self._handlers.items():
+                signal.signal(signum, handler)
+            self.bar.close()
+
+    def _ask_stop(self, signum, frame) -> None:
+        if self._stop is not None:  # a second signal: stop now (the finished parts are on disk)
+            raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}; {self.folder.resume_hint()}")
+        self._stop = signum
+
+    def pending(self, units) -> list[int]:
+        return [u for u in units if u not in self.done]
+
+    def record(self, unit: int, rows: pd.DataFrame) -> None:
+        self.done[unit] = rows
+        self._pending[unit] = rows
+        self.computed += self.weights[unit]
+        self.bar.update(self.weights[unit])
+        items = sum(len(r) for r in self._pending.values())
+        if items >= self.part_items or time.monotonic() - self._last_flush >= self.part_seconds:
+            self.flush()
+        if self._stop is not None:
+            self.flush()
+            finished = sum(self.weights[u] for u in self.done)
+            raise Interrupted(self._stop, f"interrupted by {signal.Signals(self._stop).name} after {finished:,} of "
+                              f"{sum(self.weights):,} {self.unit}; {self.folder.resume_hint()}")
+
+    def flush(self) -> None:
+        """Write the rows recorded since the last part as one part."""
+        if not self._pending or self.folder.out is None:
+            self._pending = {}
+            return
+        t0 = time.perf_counter()
+        frame = pd.concat([rows.assign(_unit=unit) for unit, rows in self._pending.items()], ignore_index=True)
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), buffer)
+        atomic_write(self.folder.parts_dir / f"part-{self._next_part:06d}.parquet", buffer.getvalue())
+        self._next_part += 1
+        self._pending = {}
+        self._last_flush = time.monotonic()
+        self.parts_s += time.perf_counter() - t0
+
+    def results(self) -> dict[int, pd.DataFrame]:
+        missing = [u for u in range(len(self.weights)) if u not in self.done]
+        if missing:
+            raise RuntimeError(f"{len(missing)} units of work were not done (first: {missing[0]})")
+        return self.done
+
+    def stats(self) -> dict:
+        """For the run record: units, those done before this process, the amount (e.g. tokens) this process
+        computed, and the time spent writing parts."""
+        return dict(units=len(self.weights), resumed_units=self.resumed_units, computed=self.computed,
+                    parts_s=round(self.parts_s, 4))
