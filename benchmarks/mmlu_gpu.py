@@ -25,7 +25,7 @@ from lora_eval import mmlu
 from lora_eval.adapters import load_adapter
 from lora_eval.bench import make_peft_adapters, random_hf_model, read_model_config
 from lora_eval.demo import build_tokenizer
-from lora_eval.engine import Engine
+from lora_eval.engine import Engine, EngineOptions
 from lora_eval.models import load_model_from_tensors
 
 
@@ -58,8 +58,9 @@ def main():
         adapter = load_adapter(Path(tmp) / "peft" / "adapter", "adapter", model)
         engine = Engine(model, [adapter])
         build_s = time.perf_counter() - t0
-        result = mmlu(folder, data=args.data, out=args.out, shots=5, subjects=args.subjects, device=args.device,
-                      batch_tokens=args.batch_tokens, quiet=True, engine=engine)
+        result = mmlu(folder, data=args.data, out=args.out, shots=5, subjects=args.subjects,
+                      options=EngineOptions(device=args.device, dtype=args.dtype), batch_tokens=args.batch_tokens,
+                      quiet=True, engine=engine)
     run = result.run
     line = dict(questions=run["questions"], rows=run["rows"], batches=run["batches"],
                 prompt_tokens_mean=run["prompts"]["tokens_mean"], padding_waste=run["padding_waste"],

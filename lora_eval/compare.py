@@ -94,13 +94,13 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
         timings["metrics_s"] = time.perf_counter() - t0
         timings["total_s"] = time.perf_counter() - t_start
-        run = dict(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype),
-                   versions=folder.fingerprint["versions"], timings=timings, work=work.stats(),
-                   batches=len(batches), padding_waste=padding_waste(lengths, batches),
-                   tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9),
-                   quantization=engine.model.args.quantization, files=folder.fingerprint["files"],
-                   tokenizer=str(model) if tokenizer else None,
-                   cuda_graphs=engine.graph_stats())
+        run = folder.run_record(
+            arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype),
+            timings=timings, work=work.stats(), batches=len(batches),
+            padding_waste=padding_waste(lengths, batches),
+            tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9),
+            quantization=engine.model.args.quantization, tokenizer=str(model) if tokenizer else None,
+            cuda_graphs=engine.graph_stats())
         result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run)
         result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
         folder.commit({**table_files(result), **report_files(result)}, result.run)

@@ -47,6 +47,11 @@ def model_line(run: dict) -> str:
     return f"Model `{args.get('model')}`{quantized}, dtype {resolved.get('dtype')}, device {resolved.get('device')}"
 
 
+def versions_of(run: dict) -> dict:
+    """The package versions a run record's fingerprint names."""
+    return (run.get("fingerprint") or {}).get("versions") or {}
+
+
 def compare_verdict(summary: pd.DataFrame) -> str:
     failed = [f"{r.adapter} ({r.failed})" for r in summary.itertuples() if not bool(r.passed)]
     return "PASSED" if not failed else "FAILED: " + "; ".join(failed)

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 from . import plots
-from .formatting import SHOWN, cell, compare_verdict, display_table, mmlu_verdict, model_line, shown_text
+from .formatting import (SHOWN, cell, compare_verdict, display_table, mmlu_verdict, model_line, shown_text,
+                         versions_of)
 from .names import BASE
 from .results import WORST_PER_ADAPTER
 
@@ -83,17 +84,18 @@ def _run_facts(run: dict) -> list[str]:
             f"{run['questions_per_s']:,.1f} questions/s" if "questions_per_s" in run else "speed not recorded"
         parts.append(f"<p>{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
                      f"{speed}.</p>")
-    for key in ("timings", "versions"):
-        if run.get(key):
-            parts.append(f"<p>{key.capitalize()}: " + ", ".join(
+    for key, values in (("Timings", run.get("timings")), ("Versions", versions_of(run))):
+        if values:
+            parts.append(f"<p>{key}: " + ", ".join(
                 f"{_esc(k)} {v:.2f}" if isinstance(v, float) else f"{_esc(k)} {_esc(v)}"
-                for k, v in run[key].items()) + "</p>")
+                for k, v in values.items()) + "</p>")
     if run.get("arguments"):
         args = pd.DataFrame({"argument": list(run["arguments"]),
                              "value": [json.dumps(v) for v in run["arguments"].values()]})
         parts.append("<details><summary>Arguments</summary>" + html_table(args) + "</details>")
-    if run.get("files"):
-        files = pd.DataFrame({"file": list(run["files"]), "sha256 or size": list(run["files"].values())})
+    inputs = (run.get("fingerprint") or {}).get("files")
+    if inputs:
+        files = pd.DataFrame({"input": list(inputs), "fingerprint": list(inputs.values())})
         parts.append("<details><summary>Input files</summary>" + html_table(files) + "</details>")
     return parts
 

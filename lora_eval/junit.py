@@ -13,6 +13,7 @@ import xml.etree.ElementTree as ET
 
 import pandas as pd
 
+from .formatting import versions_of
 from .metrics import check_thresholds
 
 # compare's threshold arguments and the summary column each one bounds (see metrics.check_thresholds)
@@ -35,7 +36,7 @@ def _suite(name: str, cases: list[ET.Element], run: dict) -> ET.Element:
     suite = ET.SubElement(suites, "testsuite", name=name, tests=str(len(cases)), failures=str(failures),
                           errors="0", skipped="0", time=f"{seconds:.3f}")
     properties = ET.SubElement(suite, "properties")
-    for key, value in run.get("versions", {}).items():
+    for key, value in versions_of(run).items():
         ET.SubElement(properties, "property", name=f"version.{key}", value=str(value))
     for key, value in run.get("arguments", {}).items():
         ET.SubElement(properties, "property", name=f"argument.{key}",

@@ -128,20 +128,18 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         timings["total_s"] = time.perf_counter() - t_start
         prompt_lengths = np.array([len(row) for row in ids])
         computed_s = max(timings["forward_s"], 1e-9)
-        run = dict(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype),
-                   versions=package_versions, timings=timings, work=work.stats(), questions=len(ids),
-                   rows=len(rows_ids), batches=len(batches), padding_waste=padding_waste(lengths, batches),
-                   questions_per_s=work.stats()["computed"] / len(models) / computed_s,
-                   rows_per_s=work.stats()["computed"] / computed_s,
-                   prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
-                                tokens_max=int(prompt_lengths.max()) if len(ids) else 0,
-                                max_position_embeddings=max_len,
-                                with_fewer_shots=int(sum(u < shots for u in used))),
-                   answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
-                                  for x, t in zip(LETTERS, candidates)},
-                   data=dict(layout=layout, path=str(data), files=len(set(files))),
-                   quantization=engine.model.args.quantization,
-                   files=folder.fingerprint["files"], cuda_graphs=engine.graph_stats())
+        run = folder.run_record(
+            arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype), timings=timings, work=work.stats(), questions=len(ids), rows=len(rows_ids), batches=len(batches),
+            padding_waste=padding_waste(lengths, batches),
+            questions_per_s=work.stats()["computed"] / len(models) / computed_s,
+            rows_per_s=work.stats()["computed"] / computed_s,
+            prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
+                         tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=max_len,
+                         with_fewer_shots=int(sum(u < shots for u in used))),
+            answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
+                           for x, t in zip(LETTERS, candidates)},
+            data=dict(layout=layout, path=str(data), files=len(set(files))),
+            quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
         result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)
         result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
         folder.commit({**table_files(result), **report_files(result)}, result.run)

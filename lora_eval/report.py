@@ -13,7 +13,7 @@ import pandas as pd
 
 from .errors import InputError
 from .formatting import (SHOWN, compare_verdict, display_table, fixed_width, markdown_table, mmlu_verdict,
-                         model_line, points, shown_text)
+                         model_line, points, shown_text, versions_of)
 from .html_report import compare_html, mmlu_html
 from .names import BASE
 from .results import CompareResult, MmluResult, read_run
@@ -52,7 +52,8 @@ def compare_markdown(result: CompareResult) -> str:
     summary, run = result.summary, result.run
     args = run.get("arguments", {})
     lines = [f"# lora-eval compare: {compare_verdict(summary)}", "",
-             f"{model_line(run)}; thresholds: k2 <= {args.get('max_k2')}, mean_abs_diff <= {args.get('max_mean_abs_diff')}.", "",
+             f"{model_line(run)}; thresholds: k2 <= {args.get('max_k2')}, mean_abs_diff <= "
+             f"{args.get('max_mean_abs_diff')}.", "",
              "## Summary", "", markdown_table(summary[[c for c in SHOWN if c in summary.columns]]), ""]
     sampler_cols = [c for c in summary.columns if c.startswith("sampler_")]
     if sampler_cols:
@@ -67,7 +68,7 @@ def compare_markdown(result: CompareResult) -> str:
               f"{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
               f"{run.get('tokens_per_s', 0):,.0f} tokens/s; timings " +
               ", ".join(f"{k} {v:.2f}" for k, v in run.get("timings", {}).items()), "",
-              "Versions: " + ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items()), ""]
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in versions_of(run).items()), ""]
     return "\n".join(lines)
 
 
@@ -117,7 +118,7 @@ def mmlu_markdown(result: MmluResult) -> str:
               f"{prompts.get('with_fewer_shots')} with fewer shots to fit; answer tokens " +
               ", ".join(f"{k} {v['token']!r} ({v['id']})" for k, v in run.get("answer_tokens", {}).items()) + ".", "",
               "Timings (s): " + ", ".join(f"{k} {v:.2f}" for k, v in run.get("timings", {}).items()), "",
-              "Versions: " + ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items()), ""]
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in versions_of(run).items()), ""]
     return "\n".join(lines)
 
 

@@ -242,6 +242,11 @@ class Lock:
                     os.close(fd)
                     raise
                 holder = _read_holder(fd)
+                for _ in range(20):  # the holder writes its record right after it takes the lock
+                    if holder:
+                        break
+                    time.sleep(0.05)
+                    holder = _read_holder(fd)
                 os.close(fd)
                 raise InputError(self.out, f"another lora-eval run is writing here ({_holder_text(holder)}); wait "
                                  f"for it to finish or choose another output") from None
@@ -307,7 +312,6 @@ class RunFolder:
         self.record = dict(record or {})
         self.overwrite, self.single_file, self.notice = overwrite, single_file, notice
         self.stored: dict | None = None
-        self.resumed_parts = 0
         if out is not None:
             self.staging = out.with_name(out.name + ".partial")
             self.parts_dir = self.staging / "parts"
@@ -359,8 +363,6 @@ class RunFolder:
                                  "--overwrite replaces it, or choose another output")
         if staged is None:
             self._start_staging()
-        else:
-            self.resumed_parts = len(list(self.parts_dir.glob("part-*.parquet")))
 
     def _reuse(self, record: dict) -> None:
         self.stored = record
@@ -383,15 +385,15 @@ class RunFolder:
         """The record of the complete run at `out`; InputError when `out` holds something else."""
         if self.single_file:
             try:
-                metadata = pq.read_schema(self.out).metadata or {}
-            except (pa.ArrowException, OSError):
-                metadata = {}
-            if RECORD_KEY not in metadata:
+                record = json.loads((pq.read_schema(self.out).metadata or {})[RECORD_KEY])
+            except (pa.ArrowException, OSError, KeyError, UnicodeDecodeError, json.JSONDecodeError):
+                record = None
+            if not isinstance(record, dict):
                 if not self.overwrite:
                     raise InputError(self.out, f"exists and was not written by lora-eval {self.command}; "
                                      "--overwrite replaces it, or choose another file")
                 return {}
-            return json.loads(metadata[RECORD_KEY])
+            return record
         record = read_record(self.out, required=False)
         if record is None:
             raise InputError(self.out, "exists and is not a lora-eval run folder (no run.json); lora-eval does not "
@@ -433,13 +435,16 @@ class RunFolder:
 
     # -- the end --
 
+    def run_record(self, **fields) -> dict:
+        """The finished run's record (run.json): the command, "status": "complete", `fields`, the fingerprint."""
+        return dict(command=self.command, status="complete", **fields, fingerprint=self.fingerprint)
+
     def commit(self, files: dict[str, bytes], record: dict) -> None:
-        """Write the finished run's files and run.json (the completion record), then make OUT appear."""
+        """Write the finished run's files and its record as run.json, then make OUT appear."""
         if self.out is None:
             return
         for name, data in files.items():
             atomic_write(self.staging / name, data)
-        record = dict(command=self.command, status="complete", **record, fingerprint=self.fingerprint)
         atomic_write(self.staging / "run.json", json_bytes(record))
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         self._promote()

@@ -29,5 +29,5 @@ def save_run(result, out):
 
     command = "compare" if isinstance(result, CompareResult) else "mmlu"
     with RunFolder(out, command, {"command": command}, overwrite=True) as folder:
-        folder.commit({**table_files(result), **report_files(result)},
-                      {k: v for k, v in result.run.items() if k not in ("command", "status", "fingerprint")})
+        folder.commit({**table_files(result), **report_files(result)}, dict(result.run, command=command,
+                                                                             status="complete"))

@@ -180,14 +180,14 @@ def test_demo_end_to_end(tmp_path):
     assert run["arguments"]["references"] == [str(reference)]
     assert run["resolved"] == dict(device="cpu", dtype="float32") and run["arguments"]["batch_tokens"] == 4096
     assert set(run["arguments"]["adapters"]) == {"peft-all-linear", "tinker-shared-outer"}
-    assert {"lora-eval", "torch", "transformers", "peft", "python"} <= set(run["versions"])
-    assert run["versions"]["torch"] == torch.__version__
+    assert {"lora-eval", "torch", "transformers", "peft", "python"} <= set(run["fingerprint"]["versions"])
+    assert run["fingerprint"]["versions"]["torch"] == torch.__version__
     assert set(run["timings"]) >= {"load_s", "forward_s", "metrics_s"}
     assert all(v >= 0 for v in run["timings"].values())
     assert run["status"] == "complete" and run["completed"]["exit_code"] == 0
-    assert run["files"]["reference 0/reference.parquet"] == \
+    assert run["fingerprint"]["files"]["reference 0/reference.parquet"] == \
         "sha256:" + hashlib.sha256(reference.read_bytes()).hexdigest()
-    assert run["fingerprint"]["files"] == run["files"] and run["fingerprint"]["options"]["device"] == "cpu"
+    assert run["fingerprint"]["options"]["device"] == "cpu"
 
 
 # ---- 2. metric formulas ----------------------------------------------------------------------------------

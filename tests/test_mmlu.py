@@ -431,7 +431,7 @@ def test_rigged_letter_scores_its_share(rigged, tmp_path):
     assert summary["passed"].all()
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["rows"] == len(questions) and run["arguments"]["subjects"] == RIG_SUBJECTS
-    assert {"model/config.json", "adapter flip/adapter_model.safetensors"} <= set(run["files"])
+    assert {"model/config.json", "adapter flip/adapter_model.safetensors"} <= set(run["fingerprint"]["files"])
     report = (tmp_path / "run" / "mmlu.md").read_text()
     assert report.startswith("# lora-eval mmlu: PASSED") and "## Subjects with the largest drops" in report
 

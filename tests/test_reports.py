@@ -495,7 +495,7 @@ def write_mmlu_run(out: Path, rng, max_drop: float = 5.0):
     table = question_table(questions, ["base", "good", "bad"], lp)
     result = MmluResult(questions=table, subjects=subject_table(table), summary=summary_table(table, max_drop),
                         run=dict(arguments=dict(model="tiny", split="test", shots=0, max_drop=max_drop),
-                                 resolved=dict(device="cpu", dtype="float32"), versions=dict(lora_eval="0.1.0"),
+                                 resolved=dict(device="cpu", dtype="float32"), fingerprint=dict(versions=dict(lora_eval="0.1.0")),
                                  timings=dict(forward_s=1.5), questions=q))
     save_run(result, out)
     return result
