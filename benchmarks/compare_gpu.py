@@ -25,28 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
 from lora_eval import Engine, compare
 from lora_eval.adapters import load_adapter
-from lora_eval.bench import make_peft_adapters, random_hf_model, read_model_config
+from lora_eval.bench import make_peft_adapters, random_hf_model, random_reference, read_model_config
 from lora_eval.engine import EngineOptions
 from lora_eval.models import load_model_from_tensors
-from lora_eval.references import write_reference
 
 POLICIES = {"parts": {}, "one part": {"LORA_EVAL_PART_ITEMS": str(10**12), "LORA_EVAL_PART_SECONDS": "1e12"}}
-
-
-def reference(path: Path, samples: int, vocab: int, seed: int) -> Path:
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(128, 2049, samples)
-    ids = [rng.integers(0, vocab, n).tolist() for n in lengths]
-    frame = pd.DataFrame(dict(sample_id=[f"s{i}" for i in range(samples)],
-                              adapter=["adapter" if i % 2 else None for i in range(samples)], input_ids=ids,
-                              logprobs=[(-rng.uniform(0, 10, n - 1)).tolist() for n in lengths]))
-    return write_reference(frame, path)
 
 
 def main():
@@ -76,7 +64,7 @@ def main():
         peft_model.save_pretrained(tmp / "peft")
         del peft_model, hf
         engine = Engine(model, [load_adapter(tmp / "peft" / "adapter", "adapter", model)])
-        ref = reference(tmp / "ref.parquet", args.samples, config["vocab_size"], seed=1)
+        ref = random_reference(tmp / "ref.parquet", args.samples, config["vocab_size"], seed=1)
         print(f"built in {time.perf_counter() - t0:.1f} s; {args.samples} samples, "
               f"{sum(len(x) for x in pd.read_parquet(ref)['input_ids']):,} tokens", flush=True)
         run = dict(options=options, batch_tokens=args.batch_tokens, quiet=True, engine=engine, notice=lambda _: None)

@@ -43,12 +43,25 @@ from .errors import InputError, UnsupportedError
 from .models import family_and_args, load_model_from_tensors
 from .models.layers import FusedExperts, Linear
 from .progress import progress
+from .references import write_reference
 from .trainer import quiet_libraries
 
 TARGETS = ("all", "attn", "experts")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 ADAPTER_STRENGTH = 0.2  # RMS of a LoRA delta relative to the RMS of the weight it adapts
+
+
+def random_reference(path: str | Path, samples: int, vocab: int, seed: int, lengths=(128, 2048)) -> Path:
+    """A reference dump of `samples` random samples (lengths in `lengths`, half under an adapter named "adapter",
+    random logprobs) for timing runs: what they measure is speed, not agreement."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (samples,), generator=generator).tolist()
+    ids = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in sizes]
+    frame = pd.DataFrame(dict(sample_id=[f"s{i}" for i in range(samples)],
+                              adapter=["adapter" if i % 2 else None for i in range(samples)], input_ids=ids,
+                              logprobs=[(-10 * torch.rand(n - 1, generator=generator)).tolist() for n in sizes]))
+    return write_reference(frame, path)
 
 
 def parse_batch(text: str) -> tuple[int, int]:

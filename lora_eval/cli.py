@@ -17,19 +17,27 @@ from .bench import bench
 from .compare import compare
 from .demo import run_demo
 from .engine import DTYPES, EngineOptions
-from .errors import EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted
+from .distributed import PeerFailed
+from .errors import EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD, InputError, Interrupted
 from .inspection import inspect_adapters
 from .junit import compare_junit, mmlu_junit
 from .mmlu import mmlu
+from .plan import plan, plan_text
 from .report import phase_times, render, summary_text, verdict
 from .results import CompareResult
 from .runfolder import atomic_write, check_out
 from .trainer import dump_reference
 
 
+def speaks() -> bool:
+    """Whether this process talks: always, but for the ranks other than 0 of a torchrun job (distributed.py)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def notice(text: str) -> None:
     """What a run says on the side (resuming, a lock taken over, a default applied): one line on stderr."""
-    click.echo(text, err=True)
+    if speaks():
+        click.echo(text, err=True)
 
 
 def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
@@ -126,8 +134,10 @@ class Main(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except PeerFailed as e:  # another rank of a torchrun job failed and said so
+            sys.exit(e.code)
         except InputError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {_rank_of(e)}{e}", err=True)
             sys.exit(EXIT_INPUT)
         except Interrupted as e:
             click.echo(f"{e}", err=True)
@@ -144,9 +154,14 @@ class Main(click.Group):
             if os.environ.get("LORA_EVAL_DEBUG"):
                 raise
             first = (str(e).strip().splitlines() or [""])[0]
-            click.echo(f"error: unexpected {type(e).__name__}: {first} (a lora-eval bug or an input it does not "
-                       "check; LORA_EVAL_DEBUG=1 shows the traceback)", err=True)
+            click.echo(f"error: {_rank_of(e)}unexpected {type(e).__name__}: {first} (a lora-eval bug or an input it "
+                       "does not check; LORA_EVAL_DEBUG=1 shows the traceback)", err=True)
             sys.exit(EXIT_INTERNAL)
+
+
+def _rank_of(error: Exception) -> str:
+    """'rank 1: ' for an error that one rank of a torchrun job had alone (distributed.Ranks.exchange)."""
+    return f"rank {error.rank}: " if hasattr(error, "rank") else ""
 
 
 @click.group(cls=Main, epilog=EXIT_CODES)
@@ -194,7 +209,8 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
     frame = dump_reference(model_dir, parse_named_paths(adapters, "--adapter"), prompts, out,
                            options=engine_options(device, dtype, gate_up_layout), quiet=quiet, overwrite=overwrite,
                            default_adapter=default_adapter, notice=notice)
-    click.echo(f"{out}: {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs)")
+    if speaks():
+        click.echo(f"{out}: {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs)")
 
 
 @cli.command(name="compare", epilog=epilog(
@@ -285,6 +301,26 @@ def report(run_dir, fmt, out_path):
         atomic_write(Path(out_path), data)
 
 
+@cli.command(name="plan", epilog=epilog(
+    "lora-eval plan --model Qwen3-235B-A22B --gpus 8",
+    "lora-eval plan --model gpt-oss-120b --adapter mine=ADAPTER --gpus 4 --batch-tokens 16384 --gpu-memory 141"))
+@model_and_adapters
+@click.option("--gpus", default=1, type=click.IntRange(min=1), show_default=True, help="GPUs to spread over.")
+@click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
+              help="Padded tokens per forward batch.")
+@click.option("--dtype", default="bfloat16", type=click.Choice(list(DTYPES)), show_default=True,
+              help="Compute dtype (quantized releases are dequantised to it).")
+@click.option("--gpu-memory", default=None, type=click.FloatRange(min=0), metavar="GB",
+              help="Memory of one GPU (default: this machine's GPU, else an H100's 80 GB).")
+def plan_cmd(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
+    """Per-GPU memory of a model and its adapters on one GPU, data parallel and expert parallel over --gpus, from
+    config.json and file headers alone (a folder with only config.json will do); exit 1 when no layout fits."""
+    counts, rows = plan(model_dir, parse_named_paths(adapters, "--adapter"), gpus=gpus, batch_tokens=batch_tokens,
+                        dtype=dtype, gpu_memory_gb=gpu_memory)
+    click.echo(plan_text(counts, rows))
+    sys.exit(EXIT_PASS if rows["fits"].any() else EXIT_THRESHOLD)
+
+
 @cli.command(name="bench", epilog=epilog(
     "lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --layers 4 --batch 4x1024",
     "lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --batch 1x128 --batch 8x2048"))
@@ -339,6 +375,8 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 
 def _finish(result, out, junit_path) -> None:
     """The summary, phase times and where the reports are; JUnit XML if asked; the exit code of the result."""
+    if not speaks():
+        sys.exit(result.exit_code)
     if junit_path:
         xml = compare_junit(result.summary, result.run) if isinstance(result, CompareResult) else \
             mmlu_junit(result.summary, result.run)

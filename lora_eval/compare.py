@@ -14,11 +14,13 @@ import numpy as np
 import pandas as pd
 
 from .batching import make_batches, padding_waste
+from .distributed import Ranks, together
 from .engine import Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .metrics import check_thresholds, group_metrics
 from .names import BASE, OVERALL
+from .plan import check_fits
 from .references import read_reference
 from .report import report_files
 from .results import COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, read_run, table_files
@@ -39,31 +41,35 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     recomputing; a partial one is resumed; another run there is refused unless `overwrite`. `engine`: an engine
     already built (its adapters replace `adapters`; `model` then supplies config and tokenizer)."""
     t_start = time.perf_counter()
-    options = (options or EngineOptions()).resolved()
-    adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
-    max_k2, max_mean_abs_diff = threshold(max_k2, "--max-k2"), threshold(max_mean_abs_diff, "--max-mean-abs-diff")
-    batch_tokens = positive_int(batch_tokens, "--batch-tokens")
-    if not references:
-        raise InputError("--reference", "at least one reference dump is needed")
-    out = check_out(out)
-    arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                     references=[_ref_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
-                     max_mean_abs_diff=max_mean_abs_diff)
-    timings = {}
-    t0 = time.perf_counter()
-    refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
-    parsed = None if engine is not None else read_adapters(model, adapters, options)
-    lengths = [len(ids) for ids in refs["input_ids"]]
-    batches = make_batches(lengths, batch_tokens)
-    timings["read_s"] = time.perf_counter() - t0
-
-    task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
-                        max_mean_abs_diff=max_mean_abs_diff, engine="given" if engine is not None else "loaded")
-    files = {**model_files(model), **adapter_files(adapters),
-             **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
-                for i, r in enumerate(references)}}
+    ranks = Ranks.from_env()
+    with together(ranks):  # every rank checks the same inputs; one line says what is wrong
+        options = (options or EngineOptions()).resolved()
+        adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
+        max_k2 = threshold(max_k2, "--max-k2")
+        max_mean_abs_diff = threshold(max_mean_abs_diff, "--max-mean-abs-diff")
+        batch_tokens = positive_int(batch_tokens, "--batch-tokens")
+        if not references:
+            raise InputError("--reference", "at least one reference dump is needed")
+        out = check_out(out)
+        arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
+                         references=[_ref_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
+                         max_mean_abs_diff=max_mean_abs_diff)
+        timings = {}
+        t0 = time.perf_counter()
+        refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
+        if engine is None:
+            check_fits(model, adapters, options.device, options.dtype, batch_tokens)
+        parsed = None if engine is not None else read_adapters(model, adapters, options)
+        lengths = [len(ids) for ids in refs["input_ids"]]
+        batches = make_batches(lengths, batch_tokens)
+        timings["read_s"] = time.perf_counter() - t0
+        task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
+                            max_mean_abs_diff=max_mean_abs_diff, engine="given" if engine is not None else "loaded")
+        files = {**model_files(model), **adapter_files(adapters),
+                 **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
+                    for i, r in enumerate(references)}}
     with RunFolder(out, "compare", fingerprint("compare", files, task_options, versions()),
-                   dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:
+                   dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:
         if folder.stored is not None:
             return read_run(out)
         t0 = time.perf_counter()
@@ -78,33 +84,38 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                 logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags))
                 work.record(b, pd.DataFrame(dict(sample=batches[b], logprobs=[lp.numpy() for lp in logprobs])))
         timings["forward_s"] = time.perf_counter() - t0
-        engine_lp = [None] * len(refs)
-        for frame in work.results().values():
-            for i, lp in zip(frame["sample"], frame["logprobs"]):
-                engine_lp[i] = np.asarray(lp, dtype=np.float32)
 
-        t0 = time.perf_counter()
-        tokens = _token_table(refs, engine_lp)
-        samples = group_metrics(tokens, ["adapter", "sample_id"])
-        per_adapter = group_metrics(tokens, ["adapter"])
-        overall = group_metrics(tokens, []).assign(adapter=OVERALL)
-        summary = check_thresholds(pd.concat([per_adapter, overall], ignore_index=True), max_k2, max_mean_abs_diff)
-        summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns if c not in COMPARE_SUMMARY_COLUMNS]]
-        tokenizer = load_tokenizer(model)
-        worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
-        timings["metrics_s"] = time.perf_counter() - t0
-        timings["total_s"] = time.perf_counter() - t_start
-        run = folder.run_record(
-            arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype),
-            timings=timings, work=work.stats(), batches=len(batches),
-            padding_waste=padding_waste(lengths, batches),
-            tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9),
-            quantization=engine.model.args.quantization, tokenizer=str(model) if tokenizer else None,
-            cuda_graphs=engine.graph_stats())
-        result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run)
-        result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
-        folder.commit({**table_files(result), **report_files(result)}, result.run)
-    return result
+        def merge(frames: dict[int, pd.DataFrame]) -> CompareResult:
+            engine_lp = [None] * len(refs)
+            for frame in frames.values():
+                for i, lp in zip(frame["sample"], frame["logprobs"]):
+                    engine_lp[i] = np.asarray(lp, dtype=np.float32)
+            t0 = time.perf_counter()
+            tokens = _token_table(refs, engine_lp)
+            samples = group_metrics(tokens, ["adapter", "sample_id"])
+            per_adapter = group_metrics(tokens, ["adapter"])
+            overall = group_metrics(tokens, []).assign(adapter=OVERALL)
+            summary = check_thresholds(pd.concat([per_adapter, overall], ignore_index=True), max_k2,
+                                       max_mean_abs_diff)
+            summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns
+                                                         if c not in COMPARE_SUMMARY_COLUMNS]]
+            tokenizer = load_tokenizer(model)
+            worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
+            timings["metrics_s"] = time.perf_counter() - t0
+            timings["total_s"] = time.perf_counter() - t_start
+            run = folder.run_record(
+                arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
+                                                   ranks=ranks.world if ranks else 1),
+                timings=timings, work=work.stats(), batches=len(batches), padding_waste=padding_waste(lengths, batches),
+                tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9),
+                quantization=engine.model.args.quantization, tokenizer=str(model) if tokenizer else None,
+                cuda_graphs=engine.graph_stats())
+            result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run)
+            result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
+            folder.commit({**table_files(result), **report_files(result)}, result.run)
+            return result
+
+        return folder.finish(work, merge, lambda: read_run(out))
 
 
 def _ref_path(ref) -> str:

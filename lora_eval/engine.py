@@ -8,6 +8,7 @@ never exists for the whole batch. A row with no adapter gets exactly the base mo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,6 +51,8 @@ class EngineOptions:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InputError("--device", "CUDA was asked for but torch sees no GPU")
+        if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one GPU per rank under torchrun
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         if dtype not in DTYPES:
@@ -58,11 +61,11 @@ class EngineOptions:
 
     def record(self) -> dict:
         """What a run record and a run's fingerprint keep of the options (resolve first)."""
-        device = self.device
+        device = self.device.split(":")[0]  # a rank's own GPU is not part of what a run computes
         graphs = dict(max_buckets=self.graph_buckets, max_memory=self.max_graph_memory) if self.cuda_graphs else None
-        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+        name = torch.cuda.get_device_name(torch.device(self.device)) if device == "cuda" else "cpu"
         return dict(device=device, device_name=name, dtype=self.dtype,
-                    backend=self.backend or ("triton" if device.startswith("cuda") else "torch"),
+                    backend=self.backend or ("triton" if device == "cuda" else "torch"),
                     gate_up_layout=self.gate_up_layout, cuda_graphs=graphs)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from .batching import make_batches, padding_waste
+from .distributed import Ranks, together
 from .engine import Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
@@ -22,6 +23,7 @@ from .mmlu_data import LETTERS, check_shots, read_split, select
 from .mmlu_prompts import answer_tokens, tokenize_prompts
 from .mmlu_stats import question_table, subject_table, summary_table
 from .names import BASE
+from .plan import check_fits
 from .report import report_files
 from .results import MmluResult, read_run, table_files
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
@@ -41,67 +43,72 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     others refused unless `overwrite`. `engine`: an engine already built (its adapters replace `adapters`; `model`
     is then the folder with config.json and the tokenizer only, e.g. for benchmarks on in-memory weights)."""
     t_start = time.perf_counter()
-    options = (options or EngineOptions()).resolved()
-    adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
-    if isinstance(subjects, str):
-        subjects = [s.strip() for s in subjects.split(",") if s.strip()]
-        if not subjects:
-            raise InputError("--subjects", "no subject named (expected A,B,...; leave it out for all subjects)")
-    if data is None:
-        raise InputError("--data", "an MMLU data folder is needed")
-    if split not in ("test", "val"):
-        raise InputError("--split", f"'{split}' is not one of test, val")
-    shots = positive_int(shots, "--shots", low=0)
-    limit = None if limit is None else positive_int(limit, "--limit")
-    batch_tokens = positive_int(batch_tokens, "--batch-tokens")
-    max_drop = threshold(max_drop, "--max-drop")
-    out = check_out(out)
-    arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, data=str(data),
-                     split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop,
-                     batch_tokens=batch_tokens)
-    timings = {}
+    ranks = Ranks.from_env()
+    with together(ranks):  # every rank checks the same inputs; one line says what is wrong
+        options = (options or EngineOptions()).resolved()
+        adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
+        if isinstance(subjects, str):
+            subjects = [s.strip() for s in subjects.split(",") if s.strip()]
+            if not subjects:
+                raise InputError("--subjects", "no subject named (expected A,B,...; leave it out for all subjects)")
+        if data is None:
+            raise InputError("--data", "an MMLU data folder is needed")
+        if split not in ("test", "val"):
+            raise InputError("--split", f"'{split}' is not one of test, val")
+        shots = positive_int(shots, "--shots", low=0)
+        limit = None if limit is None else positive_int(limit, "--limit")
+        batch_tokens = positive_int(batch_tokens, "--batch-tokens")
+        max_drop = threshold(max_drop, "--max-drop")
+        out = check_out(out)
+        arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, data=str(data),
+                         split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop,
+                         batch_tokens=batch_tokens)
+        timings = {}
 
-    t0 = time.perf_counter()
-    layout, files, questions = read_split(data, split)
-    questions = select(questions, subjects, limit, data, split)
-    dev = None
-    if shots > 0:
-        _, dev_files, dev = read_split(data, "dev")
-        files += dev_files
-        dev = check_shots(dev, questions, shots, layout, data)
-    timings["data_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        layout, files, questions = read_split(data, split)
+        questions = select(questions, subjects, limit, data, split)
+        dev = None
+        if shots > 0:
+            _, dev_files, dev = read_split(data, "dev")
+            files += dev_files
+            dev = check_shots(dev, questions, shots, layout, data)
+        timings["data_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    config, args = model_config(model)
-    max_len = config.get("max_position_embeddings")
-    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
-        raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
-                         key="max_position_embeddings")
-    tokenizer = load_tokenizer(model, needed_for="mmlu")
-    candidates = answer_tokens(tokenizer, model)
-    ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
-    largest = max([*candidates, *(max(row) for row in ids if row)])
-    if largest >= args.vocab_size:
-        raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the model's "
-                         f"vocabulary ({args.vocab_size}): the tokenizer in the model folder does not belong to this "
-                         "model", key="vocab_size")
-    parsed = None if engine is not None else read_adapters(model, adapters, options)
-    models = [BASE, *adapters]
-    tags = [None, *adapters]
-    rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
-    rows_tags = tags * len(ids)
-    lengths = [len(row) for row in rows_ids]
-    batches = make_batches(lengths, batch_tokens)
-    timings["tokenize_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        config, args = model_config(model)
+        max_len = config.get("max_position_embeddings")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+            raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
+                             key="max_position_embeddings")
+        tokenizer = load_tokenizer(model, needed_for="mmlu")
+        candidates = answer_tokens(tokenizer, model)
+        ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
+        largest = max([*candidates, *(max(row) for row in ids if row)])
+        if largest >= args.vocab_size:
+            raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the "
+                             f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
+                             "belong to this model", key="vocab_size")
+        if engine is None:
+            check_fits(model, adapters, options.device, options.dtype, batch_tokens)
+        parsed = None if engine is not None else read_adapters(model, adapters, options)
+        models = [BASE, *adapters]
+        tags = [None, *adapters]
+        rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
+        rows_tags = tags * len(ids)
+        lengths = [len(row) for row in rows_ids]
+        batches = make_batches(lengths, batch_tokens)
+        timings["tokenize_s"] = time.perf_counter() - t0
 
-    data_root = Path(data)
-    task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop,
-                        batch_tokens=batch_tokens, engine="given" if engine is not None else "loaded")
-    inputs = {**model_files(model), **adapter_files(adapters),
-              **{f"data/{path.relative_to(data_root)}": file_digest(path) for path in sorted(set(files))}}
-    package_versions = versions("datasets", "tokenizers")
+        data_root = Path(data)
+        task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
+                            max_drop=max_drop, batch_tokens=batch_tokens,
+                            engine="given" if engine is not None else "loaded")
+        inputs = {**model_files(model), **adapter_files(adapters),
+                  **{f"data/{path.relative_to(data_root)}": file_digest(path) for path in sorted(set(files))}}
+        package_versions = versions("datasets", "tokenizers")
     with RunFolder(out, "mmlu", fingerprint("mmlu", inputs, task_options, package_versions),
-                   dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:
+                   dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:
         if folder.stored is not None:
             return read_run(out)
         t0 = time.perf_counter()
@@ -116,31 +123,37 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                                                           [rows_tags[i] for i in batch]), candidates).numpy()
                 work.record(b, pd.DataFrame({"row": batch, **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)}}))
         timings["forward_s"] = time.perf_counter() - t0
-        lp = np.empty((len(rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
-        for frame in work.results().values():
-            lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
 
-        t0 = time.perf_counter()
-        table = question_table(questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
-        subject_rows = subject_table(table)
-        summary = summary_table(table, max_drop)
-        timings["metrics_s"] = time.perf_counter() - t0
-        timings["total_s"] = time.perf_counter() - t_start
-        prompt_lengths = np.array([len(row) for row in ids])
-        computed_s = max(timings["forward_s"], 1e-9)
-        run = folder.run_record(
-            arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype), timings=timings, work=work.stats(), questions=len(ids), rows=len(rows_ids), batches=len(batches),
-            padding_waste=padding_waste(lengths, batches),
-            questions_per_s=work.stats()["computed"] / len(models) / computed_s,
-            rows_per_s=work.stats()["computed"] / computed_s,
-            prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
-                         tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=max_len,
-                         with_fewer_shots=int(sum(u < shots for u in used))),
-            answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
-                           for x, t in zip(LETTERS, candidates)},
-            data=dict(layout=layout, path=str(data), files=len(set(files))),
-            quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
-        result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)
-        result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
-        folder.commit({**table_files(result), **report_files(result)}, result.run)
-    return result
+        def merge(frames: dict[int, pd.DataFrame]) -> MmluResult:
+            lp = np.empty((len(rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
+            for frame in frames.values():
+                lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
+
+            t0 = time.perf_counter()
+            table = question_table(questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
+            subject_rows = subject_table(table)
+            summary = summary_table(table, max_drop)
+            timings["metrics_s"] = time.perf_counter() - t0
+            timings["total_s"] = time.perf_counter() - t_start
+            prompt_lengths = np.array([len(row) for row in ids])
+            computed_s = max(timings["forward_s"], 1e-9)
+            run = folder.run_record(
+                arguments=arguments, timings=timings,
+                resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1),
+                work=work.stats(), questions=len(ids), rows=len(rows_ids), batches=len(batches),
+                padding_waste=padding_waste(lengths, batches),
+                questions_per_s=work.stats()["computed"] / len(models) / computed_s,
+                rows_per_s=work.stats()["computed"] / computed_s,
+                prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
+                             tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=max_len,
+                             with_fewer_shots=int(sum(u < shots for u in used))),
+                answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
+                               for x, t in zip(LETTERS, candidates)},
+                data=dict(layout=layout, path=str(data), files=len(set(files))),
+                quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
+            result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)
+            result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
+            folder.commit({**table_files(result), **report_files(result)}, result.run)
+            return result
+
+        return folder.finish(work, merge, lambda: read_run(out))

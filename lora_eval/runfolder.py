@@ -29,6 +29,7 @@ import io
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import socket
@@ -41,7 +42,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InputError, Interrupted
+from .distributed import PeerFailed, Ranks, assign, together
+from .errors import EXIT_INTERNAL, InputError, Interrupted
 from .progress import progress
 
 PART_ITEMS = 256
@@ -304,13 +306,15 @@ class RunFolder:
     """The output of one run (`out` a folder, or one file with `single_file`); `None` for a run kept in memory
     only (no lock, no parts, nothing written). Use as a context manager: entering takes the lock and looks at what
     `out` holds — `stored` is then the record of a complete run of the same fingerprint (nothing to compute), else
-    the run starts or resumes in the staging folder. `record` (arguments and the like) goes into run.json."""
+    the run starts or resumes in the staging folder. `record` (arguments and the like) goes into run.json. With
+    data-parallel `ranks` (distributed.py), rank 0 does all of that and tells the others; every rank writes parts."""
 
     def __init__(self, out: Path | None, command: str, fingerprint: dict, record: dict | None = None, *,
-                 overwrite: bool = False, single_file: bool = False, notice=print):
+                 overwrite: bool = False, single_file: bool = False, notice=print, ranks: Ranks | None = None):
         self.out, self.command, self.fingerprint = out, command, fingerprint
         self.record = dict(record or {})
-        self.overwrite, self.single_file, self.notice = overwrite, single_file, notice
+        self.overwrite, self.single_file, self.notice, self.ranks = overwrite, single_file, notice, ranks
+        self.leads = ranks is None or ranks.leads
         self.stored: dict | None = None
         if out is not None:
             self.staging = out.with_name(out.name + ".partial")
@@ -318,19 +322,24 @@ class RunFolder:
             self._lock = Lock(out.with_name(out.name + ".lock"), out, command)
 
     def __enter__(self) -> "RunFolder":
-        if self.out is None:
-            return self
-        self._lock.acquire(self.notice)
-        try:
-            self._clean_leftovers()
-            self._look()
-        except BaseException:
-            self._lock.release()
-            raise
+        with together(self.ranks):
+            if self.out is None and self.ranks is not None:
+                raise InputError("--out", "a data-parallel run needs a run folder: its ranks hand their work over "
+                                 "through it")
+            if self.out is not None and self.leads:
+                self._lock.acquire(self.notice)
+                try:
+                    self._clean_leftovers()
+                    self._look()
+                except BaseException:
+                    self._lock.release()
+                    raise
+        if self.ranks is not None:
+            self.stored = self.ranks.share(self.stored)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.out is not None:
+        if self.out is not None and self.leads:
             self._lock.release()
 
     # -- what is there --
@@ -429,9 +438,22 @@ class RunFolder:
 
     def work(self, weights: list[int], desc: str, unit: str, quiet: bool = False) -> "Work":
         """The units of this run's work (weights: progress per unit, e.g. tokens of a batch), with the units
-        finished before read back from the parts."""
-        done = {} if self.out is None else read_parts(self.parts_dir, self.notice)
-        return Work(self, weights, done, desc, unit, quiet)
+        finished before read back from the parts; with data-parallel ranks, this rank's share of the rest."""
+        done = read_parts(self.parts_dir, self.notice) if self.out is not None and self.leads else {}
+        mine = None
+        if self.ranks is not None:
+            finished = self.ranks.share(sorted(done))
+            done = done if self.leads else dict.fromkeys(finished)
+            pending = [u for u in range(len(weights)) if u not in done]
+            mine = set(assign(pending, weights, self.ranks.world)[self.ranks.rank])
+        return Work(self, weights, done, desc, unit, quiet, mine)
+
+    def finish(self, work: "Work", merge, reread):
+        """The run's end: `merge(every unit's rows)` builds the result and commits it. With data-parallel ranks,
+        rank 0 merges every rank's parts while the others wait, and they return the run as committed (`reread()`)."""
+        with together(self.ranks):
+            result = merge(work.results()) if self.leads else None
+        return result if self.leads else reread()
 
     # -- the end --
 
@@ -512,46 +534,57 @@ def read_parts(parts_dir: Path, notice) -> dict[int, pd.DataFrame]:
 
 
 class Work:
-    """The units of a run's work. `pending(units)` lists those no part holds; `record(unit, rows)` keeps a unit's
-    result (a DataFrame), writing a part every PART_ITEMS rows or PART_SECONDS seconds; `results()` gives every
-    unit's rows. Inside `with`: a progress bar that starts at the resumed amount, and SIGINT / SIGTERM ask for a
-    stop after the current unit (a second signal stops at once), which writes the pending rows as a part and raises
-    Interrupted."""
+    """The units of a run's work. `pending(units)` lists those no part holds (of this rank's share, `mine`, under
+    data parallel); `record(unit, rows)` keeps a unit's result (a DataFrame), writing a part every PART_ITEMS rows or
+    PART_SECONDS seconds; `results()` gives every unit's rows. Inside `with`: a progress bar that starts at the
+    resumed amount, and SIGINT / SIGTERM ask for a stop after the current unit (a second signal stops at once),
+    which writes the pending rows as a part and raises Interrupted. Under data parallel, leaving the `with` block
+    exchanges every rank's outcome (distributed.py), and a rank stops early when another one's work failed."""
 
     def __init__(self, folder: RunFolder, weights: list[int], done: dict[int, pd.DataFrame], desc: str, unit: str,
-                 quiet: bool):
-        self.folder, self.weights, self.done = folder, list(weights), dict(done)
-        self.desc, self.unit, self.quiet = desc, unit, quiet
+                 quiet: bool, mine: set[int] | None = None):
+        self.folder, self.weights, self.done, self.mine = folder, list(weights), dict(done), mine
+        self.ranks = folder.ranks
+        self.desc, self.unit, self.quiet = desc, unit, quiet or not folder.leads
         self.part_items = int(os.environ.get("LORA_EVAL_PART_ITEMS", PART_ITEMS))
         self.part_seconds = float(os.environ.get("LORA_EVAL_PART_SECONDS", PART_SECONDS))
         self.resumed_units = len(self.done)
         self.computed = 0  # weight of the units computed by this process
+        self.per_rank: list[dict] | None = None  # under data parallel: every rank's computed and parts_s
         self.parts_s = 0.0  # time spent writing parts
         self._pending: dict[int, pd.DataFrame] = {}
         self._last_flush = time.monotonic()
         self._stop: int | None = None
         self._handlers: dict = {}
-        self._next_part = 1 + max((int(p.stem.split("-")[1]) for p in folder.parts_dir.glob("part-*.parquet")),
-                                  default=-1) if folder.out is not None else 0
+        self._parts = 0
+        self._name = f"{os.getpid()}-{secrets.token_hex(3)}"  # this process's parts: part-NAME-SEQ.parquet
 
     def __enter__(self) -> "Work":
         done = sum(self.weights[u] for u in self.done if u < len(self.weights))
-        if self.done:
+        if self.done and self.folder.leads:
             self.folder.notice(f"resuming: {len(self.done)} of {len(self.weights)} {self.desc} units already done "
                                f"({done:,} of {sum(self.weights):,} {self.unit}) in {self.folder.staging}")
-        self.bar = progress(sum(self.weights), self.desc, self.unit, self.quiet, initial=done)
+        share = sum(self.weights) if self.mine is None else done + sum(self.weights[u] for u in self.mine)
+        self.bar = progress(share, self.desc, self.unit, self.quiet, initial=done)
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._handlers[signum] = signal.signal(signum, self._ask_stop)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, traceback) -> None:
         try:
             self.flush()  # also after an error: the finished units are kept for a re-run
         finally:
             for signum, handler in self._handlers.items():
                 signal.signal(signum, handler)
             self.bar.close()
+        if self.ranks is None or (error is not None and not isinstance(error, Exception)) or \
+                isinstance(error, Interrupted):
+            return  # one process, or a stop the peers are getting too
+        if error is not None and not isinstance(error, PeerFailed):
+            self.ranks.mark_failed()
+        self.ranks.exchange(error)
+        self.per_rank = self.ranks.gather(dict(computed=self.computed, parts_s=round(self.parts_s, 4)))
 
     def _ask_stop(self, signum, frame) -> None:
         if self._stop is not None:  # a second signal: stop now (the finished parts are on disk)
@@ -559,7 +592,7 @@ class Work:
         self._stop = signum
 
     def pending(self, units) -> list[int]:
-        return [u for u in units if u not in self.done]
+        return [u for u in units if u not in self.done and (self.mine is None or u in self.mine)]
 
     def record(self, unit: int, rows: pd.DataFrame) -> None:
         self.done[unit] = rows
@@ -574,6 +607,8 @@ class Work:
             finished = sum(self.weights[u] for u in self.done)
             raise Interrupted(self._stop, f"interrupted by {signal.Signals(self._stop).name} after {finished:,} of "
                               f"{sum(self.weights):,} {self.unit}; {self.folder.resume_hint()}")
+        if self.ranks is not None and self.ranks.peer_failed():
+            raise PeerFailed(EXIT_INTERNAL)  # the failing rank's code comes with the exchange
 
     def flush(self) -> None:
         """Write the rows recorded since the last part as one part."""
@@ -584,20 +619,27 @@ class Work:
         frame = pd.concat([rows.assign(_unit=unit) for unit, rows in self._pending.items()], ignore_index=True)
         buffer = io.BytesIO()
         pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), buffer)
-        atomic_write(self.folder.parts_dir / f"part-{self._next_part:06d}.parquet", buffer.getvalue())
-        self._next_part += 1
+        atomic_write(self.folder.parts_dir / f"part-{self._name}-{self._parts:05d}.parquet", buffer.getvalue())
+        self._parts += 1
         self._pending = {}
         self._last_flush = time.monotonic()
         self.parts_s += time.perf_counter() - t0
 
     def results(self) -> dict[int, pd.DataFrame]:
+        """Every unit's rows (under data parallel: rank 0 reads what every rank wrote)."""
+        if self.ranks is not None:
+            self.done = read_parts(self.folder.parts_dir, self.folder.notice)
         missing = [u for u in range(len(self.weights)) if u not in self.done]
         if missing:
             raise RuntimeError(f"{len(missing)} units of work were not done (first: {missing[0]})")
         return self.done
 
     def stats(self) -> dict:
-        """For the run record: units, those done before this process, the amount (e.g. tokens) this process
-        computed, and the time spent writing parts."""
-        return dict(units=len(self.weights), resumed_units=self.resumed_units, computed=self.computed,
-                    parts_s=round(self.parts_s, 4))
+        """For the run record: units, those done before this run, the amount (e.g. tokens) this run computed, and
+        the time spent writing parts (under data parallel: summed over the ranks, each rank's beside)."""
+        stats = dict(units=len(self.weights), resumed_units=self.resumed_units, computed=self.computed,
+                     parts_s=round(self.parts_s, 4))
+        if self.per_rank is not None:
+            stats.update(computed=sum(r["computed"] for r in self.per_rank),
+                         parts_s=round(sum(r["parts_s"] for r in self.per_rank), 4), ranks=self.per_rank)
+        return stats

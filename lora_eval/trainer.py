@@ -4,7 +4,10 @@ Adapters PEFT can load run through PEFT. Expert layouts PEFT cannot load into tr
 (per-expert 2D, fused or shared-outer 3D exports) are applied the way a trainer merges them: each delta
 s * B @ A added into a copy of the transformers weights, which transformers then runs.
 
-Prompts come as JSONL (prompts.py). Each prompt is one unit of work of a run folder: a killed dump resumes.
+Prompts come as JSONL (prompts.py). Each prompt is one unit of work of a run folder: a killed dump resumes, and
+torchrun ranks share the prompts (distributed.py). On the CPU, transformers' numbers depend on the thread count in
+the last bits (torchrun gives each worker one thread unless OMP_NUM_THREADS says otherwise), so the dump's
+fingerprint holds it.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ import pandas as pd
 import torch
 
 from .adapters import load_adapter
+from .distributed import Ranks, together
 from .engine import DTYPES, EngineOptions
 from .inputs import adapter_names, model_config
 from .models import load_model
 from .models.layers import interleave_gate_up
 from .prompts import read_prompts
 from .references import read_reference, reference_bytes
-from .runfolder import RECORD_KEY, RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, versions
+from .runfolder import (RECORD_KEY, RunFolder, Work, adapter_files, check_out, file_digest, fingerprint, model_files,
+                        versions)
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
 
@@ -39,34 +44,43 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
     metadata, and an `out` that already holds this very dump is returned as it is). `options`: device, dtype and
     gate_up_layout (the row order of fused 3D gate_up LoRA, adapters/load.py). `default_adapter`: for prompts
     without an `adapter` field (prompts.py)."""
-    options = (options or EngineOptions()).resolved()
-    adapters = adapter_names(adapters)
-    out = check_out(out, single_file=True)
-    _, args = model_config(model_dir)
-    frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notice)
-    shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
-    parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
-    record = options.record()
-    task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
-                        gate_up_layout=options.gate_up_layout, default_adapter=default_adapter)
-    files = {**model_files(model_dir), **adapter_files(adapters), f"prompts/{Path(prompts).name}": file_digest(
-        Path(prompts))}
-    arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()}, prompts=str(prompts),
-                     default_adapter=default_adapter)
+    ranks = Ranks.from_env()
+    with together(ranks):  # every rank checks the same inputs; one line says what is wrong
+        options = (options or EngineOptions()).resolved()
+        adapters = adapter_names(adapters)
+        out = check_out(out, single_file=True)
+        _, args = model_config(model_dir)
+        frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notice)
+        shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
+        parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
+        record = options.record()
+        task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
+                            gate_up_layout=options.gate_up_layout, default_adapter=default_adapter,
+                            threads=torch.get_num_threads() if record["device"] == "cpu" else None)
+        files = {**model_files(model_dir), **adapter_files(adapters),
+                 f"prompts/{Path(prompts).name}": file_digest(Path(prompts))}
+        arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()},
+                         prompts=str(prompts), default_adapter=default_adapter)
     with RunFolder(out, "dump-reference", fingerprint("dump-reference", files, task_options, versions()),
-                   dict(arguments=arguments), overwrite=overwrite, single_file=True, notice=notice) as folder:
+                   dict(arguments=arguments), overwrite=overwrite, single_file=True, notice=notice,
+                   ranks=ranks) as folder:
         if folder.stored is not None:
             return read_reference(out)
         with quiet_libraries():
-            frame["logprobs"] = _logprobs(model_dir, adapters, parsed, frame, options, folder, quiet)
-        if out is not None:
-            meta = json.dumps(dict(command="dump-reference", arguments=arguments, fingerprint=folder.fingerprint))
-            folder.commit_file(reference_bytes(frame, out, {RECORD_KEY: meta.encode()}))
-    return frame
+            work = _logprobs(model_dir, adapters, parsed, frame, options, folder, quiet)
+
+        def merge(done: dict[int, pd.DataFrame]) -> pd.DataFrame:
+            frame["logprobs"] = [done[i]["logprobs"].iloc[0].tolist() for i in range(len(frame))]
+            if out is not None:
+                meta = json.dumps(dict(command="dump-reference", arguments=arguments, fingerprint=folder.fingerprint))
+                folder.commit_file(reference_bytes(frame, out, {RECORD_KEY: meta.encode()}))
+            return frame
+
+        return folder.finish(work, merge, lambda: read_reference(out))
 
 
 def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, options: EngineOptions,
-              folder: RunFolder, quiet: bool) -> list[list[float]]:
+              folder: RunFolder, quiet: bool) -> Work:
     """Each prompt's logprobs from transformers (+ PEFT or merged deltas), one sample per unit of work."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -93,8 +107,7 @@ def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, opti
                 work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
             if isinstance(runner, PeftModel):
                 model = runner.unload()  # back to the plain base model for the next adapter
-    done = work.results()
-    return [done[i]["logprobs"].iloc[0].tolist() for i in range(len(frame))]
+    return work
 
 
 @contextlib.contextmanager

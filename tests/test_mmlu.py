@@ -44,6 +44,7 @@ from lora_eval.tokenizer import load_tokenizer
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
 from tests.conftest import CPU, MOE_OVERRIDES
+from tests.test_distributed import finish, torchrun
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
 if not DATA.is_dir():
@@ -481,6 +482,19 @@ def test_an_interrupted_run_resumes_to_the_same_files(rigged, tmp_path, monkeypa
     assert work["resumed_units"] == 2 and work["units"] > 3
     for name in ("mmlu_questions.parquet", "mmlu_subjects.csv", "mmlu_summary.csv"):
         assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_data_parallel_equals_one_process(rigged, tmp_path):
+    """`torchrun --nproc-per-node 2 lora-eval mmlu`: the ranks share the batches, rank 0 merges; every table equals
+    one process's byte for byte (the torch backend is batch-invariant)."""
+    args = ["mmlu", "--model", rigged["model"], "--adapter", f"flip={rigged['adapters']['flip']}", "--data", DATA,
+            "--subjects", ",".join(RIG_SUBJECTS), "--limit", RIG_LIMIT, "--shots", 1, "--batch-tokens", 512, "--quiet"]
+    assert run_cli(*args, "--out", tmp_path / "one").exit_code == 0
+    code, stdout, stderr = finish(torchrun(2, [*args, "--out", tmp_path / "two"]))
+    assert code == 0, (stdout, stderr)
+    assert len(json.loads((tmp_path / "two" / "run.json").read_text())["work"]["ranks"]) == 2
+    for name in ("mmlu_questions.parquet", "mmlu_subjects.csv", "mmlu_summary.csv"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
 
 
 def test_max_drop_boundary_is_exact():

@@ -593,7 +593,7 @@ def test_the_import_graph_has_no_cycle_and_imports_sit_at_the_top():
             visit(node, [])
 
 
-@pytest.mark.parametrize("command", ["compare", "mmlu", "dump-reference", "report", "inspect", "demo", "bench"])
+@pytest.mark.parametrize("command", ["compare", "mmlu", "dump-reference", "report", "inspect", "demo", "bench", "plan"])
 def test_every_help_states_the_exit_codes_and_examples(command):
     result = run_cli(command, "--help")
     assert result.exit_code == 0

@@ -1,0 +1,144 @@
+"""Data parallel over torch.distributed, launched by torchrun (NCCL on GPUs, gloo on CPUs): which rank computes which
+units of work, and the few messages ranks exchange.
+
+    torchrun --nproc-per-node N --no-python lora-eval compare ...     (or python -m lora_eval; --nnodes for more)
+
+Every rank reads and checks the same inputs and builds the same list of units (batches, samples). Rank 0 owns the
+run folder (lock, staging, resume, the merge and the commit: runfolder.py); it shares which units earlier runs
+finished, every rank takes its share of the rest (`assign`: token-balanced, deterministic), computes it and writes its
+own parts, and rank 0 merges all parts into the files a single process writes. A unit's result does not depend on
+which rank computed it (the same batches), so the merged files equal a single process's byte for byte wherever the
+engine is batch-invariant.
+
+Failures: the phases run inside `together()`, which ends with an exchange of every rank's outcome. An error on any
+rank fails every rank with the same exit code; the lowest failing rank prints the one line (naming its rank), the
+others exit quietly (PeerFailed). A rank whose work fails marks it in the process group's store, and the others stop
+after their current unit instead of finishing their share. SIGINT / SIGTERM (torchrun stops the other workers
+when one dies) stop each rank after its current unit, its parts kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted
+
+FAILED = "lora_eval/failed"  # store key: set by a rank whose work failed
+
+
+class PeerFailed(Exception):
+    """Another rank failed (and says so): this rank stops with the same exit code, printing nothing."""
+
+    def __init__(self, code: int):
+        self.code = code
+        super().__init__(f"another rank failed (exit code {code})")
+
+
+@dataclass
+class Ranks:
+    """This process's place in a torchrun job: `rank` of `world`, `local_rank` its GPU on this node."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> "Ranks | None":
+        """The job torchrun started (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR / PORT), its process group
+        initialised once (gloo for the messages, NCCL for GPU tensors where there are GPUs); None for one process."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        return cls(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank)
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def share(self, value):
+        """Rank 0's `value`, on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @contextlib.contextmanager
+    def together(self):
+        """Run the block on every rank, then `exchange` the outcomes (Interrupted passes at once: the peers are being
+        stopped too)."""
+        error = None
+        try:
+            yield
+        except Interrupted:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure is shared, then raised again by exchange
+            error = e
+        self.exchange(error)
+
+    def exchange(self, error: Exception | None) -> None:
+        """Every rank's outcome to every rank. If any rank failed, every rank raises: the lowest rank with an error
+        of its own raises that error (marked with its rank where not every rank failed alike), the others PeerFailed
+        with its exit code. A rank that stopped because a peer failed (PeerFailed) only follows."""
+        own = error is not None and not isinstance(error, PeerFailed)
+        outcome = None if error is None else (exit_code(error), f"{error}", own)
+        outcomes = [None] * self.world
+        dist.all_gather_object(outcomes, outcome)
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not failed:
+            return
+        first, (code, _, _) = next(((r, o) for r, o in failed if o[2]), failed[0])
+        if self.rank != first or not own:
+            raise PeerFailed(code)
+        if len(failed) < self.world or len({o for _, o in failed}) > 1:
+            error.rank = self.rank  # the CLI names it: "error: rank 1: ..."
+        raise error
+
+    def gather(self, value) -> list:
+        """Every rank's `value`, in rank order, on every rank."""
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    def mark_failed(self) -> None:
+        """Tell the other ranks that this one's work failed (they stop after their current unit)."""
+        _store().set(FAILED, str(self.rank))
+
+    def peer_failed(self) -> bool:
+        return _store().check([FAILED])
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def together(ranks: "Ranks | None"):
+    """`ranks.together()`, or nothing to share for one process."""
+    return contextlib.nullcontext() if ranks is None else ranks.together()
+
+
+def exit_code(error: BaseException) -> int:
+    if isinstance(error, PeerFailed):
+        return error.code
+    if isinstance(error, Interrupted):
+        return error.exit_code
+    return EXIT_INPUT if isinstance(error, InputError) else EXIT_INTERNAL
+
+
+def assign(units: list[int], weights: list[int], world: int) -> list[list[int]]:
+    """units -> one list per rank, balanced by weight (the heaviest unit first to the least loaded rank; ties by
+    unit, then rank), each list in unit order. The same on every rank for the same units."""
+    load, shares = [0] * world, [[] for _ in range(world)]
+    for unit in sorted(units, key=lambda u: (-weights[u], u)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        load[rank] += weights[unit]
+        shares[rank].append(unit)
+    return [sorted(share) for share in shares]

@@ -1,0 +1,179 @@
+"""Data parallel under torchrun (lora_eval/distributed.py), on the CPU with gloo.
+
+1. `torchrun --nproc-per-node 2 --no-python lora-eval compare` on the demo's model, adapters and reference writes
+   tables byte-identical to one process; dump-reference's file likewise (mmlu: tests/test_mmlu.py);
+2. a rank that fails stops the run in one line naming the rank, and a re-run with another number of ranks finishes
+   it, byte-identical; a rank killed mid-run, the same;
+3. the outcome exchange itself, with two real gloo processes: who raises what;
+4. `assign`: balanced, deterministic, every unit once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lora_eval.demo import run_demo
+from lora_eval.distributed import PeerFailed, Ranks, assign
+from lora_eval.errors import InputError
+from tests.test_run_folders import art, compare_args, parts, record, tables, wait_for  # noqa: F401 (art: fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+INJECT = '''import os
+if os.environ.get("RANK") == "1":  # rank 1's third batch fails
+    from lora_eval.engine import Engine
+    original, calls = Engine.logprobs, []
+
+    def failing(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("simulated failure on this rank")
+        return original(self, batch)
+
+    Engine.logprobs = failing
+'''
+
+
+def torchrun(ranks: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """`torchrun --standalone --nproc-per-node RANKS --no-python lora-eval ARGS`, quiet, one thread a worker."""
+    full = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", "LORA_EVAL_PART_ITEMS": "1", **(env or {})}
+    return subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node", str(ranks), "--no-python", "lora-eval",
+                             *map(str, args)], cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def our_lines(stderr: str) -> list[str]:
+    """What lora-eval itself said on stderr (torchrun adds its own report of a failed worker)."""
+    return [line for line in stderr.splitlines() if line.startswith(("error:", "note:", "interrupted", "resuming"))]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's model, adapters, reference and its one-process compare run (in this process: one thread)."""
+    root = tmp_path_factory.mktemp("demo")
+    run_demo(root, quiet=True, notice=lambda _: None)
+    return root
+
+
+def demo_compare(demo: Path, out: Path) -> list[str]:
+    return ["compare", "--model", demo / "model", "--adapter", f"peft-all-linear={demo / 'adapters/peft-all-linear'}",
+            "--adapter", f"tinker-shared-outer={demo / 'adapters/tinker-shared-outer'}", "--reference",
+            demo / "reference.parquet", "--out", out, "--batch-tokens", 64]
+
+
+def test_data_parallel_compare_equals_one_process(demo, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(torchrun(2, demo_compare(demo, out)))
+    assert code == 0, (stdout, stderr)
+    assert tables(out) == tables(demo / "report")
+    work = record(out)["work"]
+    assert len(work["ranks"]) == 2 and all(r["computed"] > 0 for r in work["ranks"])
+    assert sum(r["computed"] for r in work["ranks"]) == work["computed"]
+    assert record(out)["resolved"]["ranks"] == 2
+    assert stdout.count("PASS") == 4  # rank 0 alone prints the summary
+
+
+def test_data_parallel_dump_reference_equals_one_process(demo, tmp_path):
+    adapters = ["--adapter", f"peft-all-linear={demo / 'adapters/peft-all-linear'}",
+                "--adapter", f"tinker-shared-outer={demo / 'adapters/tinker-shared-outer'}"]
+    args = ["dump-reference", "--model", demo / "model", *adapters, "--prompts", demo / "prompts.jsonl"]
+    code, stdout, stderr = finish(torchrun(2, [*args, "--out", tmp_path / "dp.parquet"]))
+    assert code == 0, (stdout, stderr)
+    one = subprocess.run([sys.executable, "-m", "lora_eval", *map(str, args), "--out", str(tmp_path / "one.parquet")],
+                         env={**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr
+    assert (tmp_path / "dp.parquet").read_bytes() == (tmp_path / "one.parquet").read_bytes()
+
+
+def test_a_failing_rank_stops_the_run_in_one_line_and_any_number_of_ranks_resumes(art, tmp_path):
+    """art: tests/test_run_folders.py's model, adapter, 160-sample reference and uninterrupted run."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(INJECT)
+    out = tmp_path / "run"
+    path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
+    code, stdout, stderr = finish(torchrun(2, compare_args(art, out), {"PYTHONPATH": path}))
+    assert code != 0 and not out.exists() and parts(out) > 0, stderr[-3000:]
+    assert our_lines(stderr) == ["error: rank 1: unexpected RuntimeError: simulated failure on this rank (a lora-eval "
+                                 "bug or an input it does not check; LORA_EVAL_DEBUG=1 shows the traceback)"], stderr
+    code, stdout, stderr = finish(torchrun(3, compare_args(art, out)))
+    assert code == 1, (stdout, stderr)  # the random reference crosses k2: the same verdict as one process
+    assert 0 < record(out)["work"]["resumed_units"] < record(out)["work"]["units"]
+    assert len(record(out)["work"]["ranks"]) == 3
+    assert tables(out) == tables(art.baseline)
+
+
+def test_a_rank_killed_mid_run_then_one_process_resumes(art, tmp_path, seed):
+    out = tmp_path / "run"
+    proc = torchrun(2, compare_args(art, out))
+    assert wait_for(lambda: parts(out) >= 2 or proc.poll() is not None)
+    time.sleep(random.Random(seed).uniform(0, 0.5))
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    if workers:
+        os.kill(int(random.Random(seed).choice(workers)), signal.SIGKILL)
+    code, _, _ = finish(proc)
+    assert code != 0 and not out.exists(), "the run ended before a worker could be killed"
+    code, stdout, stderr = finish(subprocess.Popen([sys.executable, "-m", "lora_eval", *compare_args(art, out)],
+                                                   cwd=ROOT, env={**os.environ, "CI": "true"}, text=True,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    assert code == 1 and "resuming:" in stderr, stderr
+    assert tables(out) == tables(art.baseline)
+
+
+# ---- the exchange of outcomes, two gloo processes ------------------------------------------------------------
+
+CASES = {  # name -> (rank 0's error, rank 1's error), and what each rank raises: (type, rank attribute, code)
+    "none": ((None, None), (None, None)),
+    "rank 1 alone": ((None, ("runtime", "boom")), (("PeerFailed", None, 3), ("RuntimeError", 1, None))),
+    "both alike": ((("input", "bad"), ("input", "bad")), (("InputError", None, None), ("PeerFailed", None, 2))),
+    "rank 0 follows": ((("peer", 3), ("input", "odd")), (("PeerFailed", None, 2), ("InputError", 1, None))),
+}
+
+
+def _error(spec):
+    kind, value = spec
+    return {"runtime": lambda: RuntimeError(value), "input": lambda: InputError("file", value),
+            "peer": lambda: PeerFailed(value)}[kind]()
+
+
+def _exchange(rank: int, init: str, errors, results):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        Ranks(rank=rank, world=2, local_rank=rank).exchange(None if errors[rank] is None else _error(errors[rank]))
+        results[rank] = None
+    except Exception as e:  # noqa: BLE001 - what was raised is the result
+        results[rank] = (type(e).__name__, getattr(e, "rank", None), getattr(e, "code", None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exchange_raises_the_first_own_error_once(case, tmp_path):
+    errors, expected = CASES[case]
+    results = mp.Manager().dict()
+    mp.spawn(_exchange, args=(f"file://{tmp_path / 'init'}", errors, results), nprocs=2)
+    assert (results[0], results[1]) == expected
+
+
+def test_assign_balances_tokens_and_is_deterministic(seed):
+    rng = random.Random(seed)
+    weights = [rng.randrange(1, 5000) for _ in range(rng.randrange(20, 80))]
+    units = sorted(rng.sample(range(len(weights)), len(weights) // 2))
+    for world in (1, 2, 3, 4):
+        shares = assign(units, weights, world)
+        assert sorted(u for share in shares for u in share) == units and shares == assign(units, weights, world)
+        loads = [sum(weights[u] for u in share) for share in shares]
+        assert max(loads) - min(loads) <= max(weights[u] for u in units)  # greedy bound: one unit at most
