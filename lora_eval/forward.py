@@ -89,6 +89,34 @@ class Forward:
                 dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
         return y if residual is None else residual + y
 
+    def linear_float32(self, module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> float32 [T, out]: x W^T (+ b) with x and the weights upcast to float32, as transformers computes
+        the logits of GLM-4.5's and DeepSeek-V3's routers (whatever the compute dtype), plus the rows' LoRA deltas
+        (shrink and expand in the compute dtype, added in float32) and modules_to_save weights. Rows with no adapter
+        get the base projection bit for bit; in a float32 run this is `linear` exactly."""
+        base = F.linear if self.triton else linear_ref
+        xf = x.float()  # [T, in] (x itself when float32)
+
+        def project(rows, weight, bias):
+            return base(xf if rows is None else xf[rows], weight.float(), None if bias is None else bias.float())
+
+        y = project(None, module.weight, module.bias)  # [T, out] float32
+        if self.stack is None:
+            return y
+        override = self.stack.overrides.get(module.site)
+        if override is not None:
+            y = self._replace(override, y, lambda rows, p: project(rows, p["weight"], p.get("bias")))
+        lora = self.stack.dense.get(module.site)
+        if lora is not None:
+            if self.triton:
+                from .kernels.dense_lora import dense_lora
+
+                dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)  # float32 y, expand in place
+            else:
+                for s, rows in self._groups(lora.slots):
+                    y.index_add_(0, rows, linear_ref(linear_ref(x[rows], lora.A[s]), lora.B[s]).float())
+        return y
+
     def linears(self, modules, x: torch.Tensor, head_norms=None, rope=None) -> list[torch.Tensor]:
         """Projections of one input: [linear(m, x) for m in modules]. On the Triton path the members of a projection
         group (models.layers.ProjectionGroup) take their base from one GEMM, and members of one SharedShrink
@@ -246,7 +274,8 @@ class Forward:
         gqa = q.shape[1] != k.shape[1]
         if self.triton:  # one call: padding sits after every valid position, so causal masking suffices
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        out = torch.zeros_like(q)  # each row over its own length: results do not depend on the batch
+        # each row over its own length: results do not depend on the batch; v heads may be narrower than q's (MLA)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]
         for b, n in enumerate(self.lengths):
             out[b, :, :n] = F.scaled_dot_product_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]

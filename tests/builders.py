@@ -25,6 +25,8 @@ from peft.utils import ModulesToSaveWrapper
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     LlamaConfig,
@@ -130,6 +132,26 @@ def tiny_gpt_oss_config(**overrides) -> dict:
     return _common_config(**{**gpt_oss, **overrides})
 
 
+# DeepSeek-V3's yarn (with mscale and mscale_all_dim) on a short original context; mscale_all_dim != mscale, so both
+# the softmax scale (mscale_all_dim) and the rope's attention factor (mscale / mscale_all_dim) differ from 1
+DEEPSEEK_YARN = dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5,
+                     original_max_position_embeddings=16, rope_theta=10000.0)
+
+
+def tiny_deepseek_v3_config(**overrides) -> dict:
+    """DeepseekV3Config kwargs: MLA with q_lora_rank 16, kv_lora_rank 12, q/k heads of 8 nope + 8 rope dims, v heads of
+    6; layer 0 dense (first_k_dense_replace 1); layers 1-2 MoE: 8 routed experts in 4 groups, top-2 from the best 2
+    groups, one shared expert, routed_scaling_factor 2.5; yarn rope with mscale. Router correction biases are
+    transformers' zeros until ``set_random_correction_bias``."""
+    deepseek = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=6, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                    topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                    norm_topk_prob=True, rope_parameters=DEEPSEEK_YARN, max_position_embeddings=64)
+    config = _common_config(**{**deepseek, **overrides})
+    config.pop("head_dim")  # transformers derives it (qk_rope_head_dim)
+    return config
+
+
 FAMILIES = {
     "qwen3_moe": (tiny_qwen3_moe_config, Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen3": (tiny_qwen3_config, Qwen3Config, Qwen3ForCausalLM),
@@ -138,6 +160,7 @@ FAMILIES = {
     "olmoe": (tiny_olmoe_config, OlmoeConfig, OlmoeForCausalLM),
     "qwen2_moe": (tiny_qwen2_moe_config, Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "gpt_oss": (tiny_gpt_oss_config, GptOssConfig, GptOssForCausalLM),
+    "deepseek_v3": (tiny_deepseek_v3_config, DeepseekV3Config, DeepseekV3ForCausalLM),
 }
 
 
@@ -420,6 +443,60 @@ def write_expert_adapter(
     return MergedOracle(model=model, adapter_dir=out_dir)
 
 
+# --- router correction biases and hand-written dense adapters --------------------------------------
+
+
+CORRECTION_BIAS_SCALE = 0.3  # about the spread of sigmoid router scores: the bias changes which experts win
+
+
+def set_random_correction_bias(model_dir, *, seed: int, scale: float = CORRECTION_BIAS_SCALE) -> Path:
+    """Give every router ``e_score_correction_bias`` of the single-file checkpoint in ``model_dir`` (a buffer, so
+    ``save_random_model`` leaves transformers' zeros) the values ``scale * N(0, 1)``, in its stored dtype."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(str(path))
+    generator = torch.Generator().manual_seed(seed)
+    biases = [key for key in sorted(tensors) if key.endswith("e_score_correction_bias")]
+    if not biases:
+        raise ValueError(f"no e_score_correction_bias in {path}")
+    for key in biases:
+        tensors[key] = (scale * _randn(tensors[key].shape, generator)).to(tensors[key].dtype)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return Path(model_dir)
+
+
+def write_dense_adapter(model_dir, out_dir, *, modules: list[str], seed: int, rank: int = 4,
+                        alpha: float = 8) -> MergedOracle:
+    """Hand-write LoRA (per-module keys, as trainers export them) on every ``nn.Linear`` of the decoder layers whose
+    path ends with ``.{m}`` for an ``m`` in ``modules`` (also ``target_modules`` of the adapter_config.json); return
+    its merged oracle. For modules PEFT 0.21 cannot target on transformers 5 models: it turns gate_proj / up_proj /
+    down_proj entries (even ``shared_experts.gate_proj``) into target_parameters on the routed experts."""
+    model = load_hf(model_dir)
+    scaling = alpha / rank
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not (isinstance(module, torch.nn.Linear) and ".layers." in name
+                    and name.endswith(tuple(f".{m}" for m in modules))):
+                continue
+            out_dim, in_dim = module.weight.shape
+            a, b = _draw_factor_pair(1, 1, out_dim, in_dim, rank, scaling, generator)  # [1, r, in], [1, out, r]
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a[0].contiguous()
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b[0].contiguous()
+            module.weight += scaling * (b[0] @ a[0])
+    if not tensors:
+        raise ValueError(f"no nn.Linear of {model_dir} ends with any of {modules}")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(modules), "base_model_name_or_path": str(model_dir)}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return MergedOracle(model=model, adapter_dir=out_dir)
+
+
 # --- quantized checkpoints ----------------------------------------------------------------------
 
 
@@ -523,3 +600,142 @@ def save_quantized_copy(model_dir, quant_dir, plain_dir, method: str, not_conver
     save_file(stored, str(quant_dir / "model.safetensors"), metadata={"format": "pt"})
     (quant_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
     return quant_dir, plain_dir, quantized
+
+
+# --- GLM-4.5 (glm4_moe) and Qwen3-VL-MoE (qwen3_vl_moe, the text path) --------------------------
+
+from transformers import (  # noqa: E402
+    AutoConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
+)
+
+# A one-block vision tower: Qwen3-VL-MoE checkpoints carry one, text-only input never reaches it.
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32,
+                   num_position_embeddings=16, deepstack_visual_indexes=[0], patch_size=4, spatial_merge_size=2,
+                   temporal_patch_size=2)
+# multimodal rope of head_dim 8 (4 frequencies): sections of temporal / height / width as the published [24, 20, 20]
+TINY_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1], mrope_interleaved=True)
+
+
+def tiny_glm4_moe_config(**overrides) -> dict:
+    """Glm4MoeConfig kwargs: 8 routed experts top-2 in 2 groups of which 1 is eligible, a shared expert
+    (moe_intermediate_size 8, so 2I != H), layer 0 dense (first_k_dense_replace), q/k norm, q/k/v biases, RoPE on
+    half of each head (partial_rotary_factor 0.5 of head_dim 8), routed_scaling_factor 1.5."""
+    glm = dict(moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+               topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, first_k_dense_replace=1,
+               use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
+    return _common_config(**{**glm, **overrides})
+
+
+def tiny_qwen3_vl_moe_config(**overrides) -> dict:
+    """Qwen3VLMoeConfig kwargs: the language model as tiny_qwen3_moe_config (6 experts top-2, layer 1 dense; expert
+    size 8) with a multimodal rope, under text_config; a one-block vision tower. Overrides go to text_config, but
+    tie_word_embeddings and vision_config, which are top-level fields."""
+    top = {key: overrides.pop(key) for key in ("tie_word_embeddings", "vision_config") if key in overrides}
+    text = tiny_qwen3_moe_config(**{**dict(moe_intermediate_size=8, rope_parameters=dict(TINY_MROPE)), **overrides})
+    tie = text.pop("tie_word_embeddings")
+    return {"text_config": text, "vision_config": dict(TINY_VISION), "tie_word_embeddings": tie, **top}
+
+
+FAMILIES.update({
+    "glm4_moe": (tiny_glm4_moe_config, Glm4MoeConfig, Glm4MoeForCausalLM),
+    "qwen3_vl_moe": (tiny_qwen3_vl_moe_config, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration),
+})
+# transformers classes of a config.json's model_type, where AutoModelForCausalLM does not serve it
+HF_MODEL_CLASSES = {"qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}
+
+
+def load_hf_model(model_dir):
+    """``load_hf`` for any family here, Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) included."""
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    if model_type not in HF_MODEL_CLASSES:
+        return load_hf(model_dir)
+    return HF_MODEL_CLASSES[model_type].from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def save_random_model_from_config(out_dir, config: dict, *, seed: int, dtype=torch.float32,
+                                  router_gain: float = ROUTER_GAIN, lm_head_gain: float = LM_HEAD_GAIN) -> Path:
+    """``save_random_model`` for a config.json dict (a published config, shrunk): written by transformers from
+    seeded random weights."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    hf_config = AutoConfig.from_pretrained(out_dir)
+    model_cls = HF_MODEL_CLASSES.get(config["model_type"])
+    model = (model_cls(hf_config) if model_cls else AutoModelForCausalLM.from_config(hf_config)).float()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_random_like(name, param, generator, router_gain, lm_head_gain))
+    model.to(dtype).save_pretrained(out_dir)
+    return out_dir
+
+
+def transpose_experts_to_published(model_dir, out_dir) -> Path:
+    """A copy of a Qwen3-VL-MoE checkpoint written by transformers 5 (fused experts [E, 2I, H] / [E, H, I]) with the
+    experts as the published checkpoints store them: gate_up_proj [E, H, 2I], down_proj [E, I, H]."""
+    from safetensors.torch import load_file
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for key in tensors:
+        if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def save_random_peft_adapter_any(model_dir, out_dir, *, seed: int, **lora_config_kwargs) -> Path:
+    """``save_random_peft_adapter`` on the model ``load_hf_model`` loads (Qwen3-VL-MoE's full model included)."""
+    model = get_peft_model(load_hf_model(model_dir), LoraConfig(**lora_config_kwargs))
+    _randomise_peft_model(model, "default", torch.Generator().manual_seed(seed))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_oracle_any(model_dir, adapter_dir):
+    """``peft_oracle`` on the model ``load_hf_model`` loads."""
+    return PeftModel.from_pretrained(load_hf_model(model_dir), adapter_dir).eval()
+
+
+def _adapter_config(model_dir, rank, alpha, **fields) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "base_model_name_or_path": str(model_dir), **fields}
+
+
+def write_expert_adapter_vl(model_dir, out_dir, *, layout: str, seed: int, rank: int = 4, alpha: float = 8,
+                            include_router: bool = False) -> MergedOracle:
+    """``write_expert_adapter`` for a Qwen3-VL-MoE checkpoint: the keys as a trainer of the full model writes them
+    (``base_model.model.model.language_model.layers.{i}.mlp...``), every MoE layer; the merged oracle is
+    Qwen3VLMoeForConditionalGeneration."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    model = load_hf_model(model_dir)
+    scaling = alpha / rank
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(model.model.language_model.layers):
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        factors = _draw_expert_factors(layer.mlp, layout, rank, scaling, False, include_router, generator)
+        tensors.update(_layer_tensors(f"base_model.model.model.language_model.layers.{i}.mlp.", factors, layout,
+                                      "qwen"))
+        _merge(layer.mlp, factors, scaling)
+    config = _adapter_config(model_dir, rank, alpha, target_modules="all-linear")
+    if layout == "peft_target_parameters":
+        router = ["mlp.gate.weight"] if include_router else []
+        config.update(target_modules=None, target_parameters=PEFT_EXPERT_PARAMETERS + router)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return MergedOracle(model=model, adapter_dir=out_dir)
+

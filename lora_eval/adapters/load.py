@@ -11,7 +11,10 @@ Expert layouts read (keys after `base_model.model.`, `{x}` = `model.layers.{i}.m
   target_parameters (PEFT ParamWrapper; gate_up inner, down outer; told apart by shape)
                    {x}.base_layer.lora_A.weight [r*E, H] (expert-major), lora_B [2I, r*E] (rank-major)
                    {x}.lora_A.weight [r*E, I], {x}.lora_B.weight [H, r*E]
-A family may rename module paths of older adapters first (its ADAPTER_RENAMES: Mixtral's block_sparse_moe -> mlp).
+A family may rename module paths of older adapters first (its ADAPTER_RENAMES: Mixtral's block_sparse_moe -> mlp),
+and may name parts of the trainer's model that ours leaves out (its ADAPTER_SKIPPED_PREFIXES of keys and
+ADAPTER_SKIPPED_MODULES of target_modules entries: Qwen3-VL-MoE's vision tower): their LoRA is skipped
+(Adapter.skipped).
 Gate/up row order of a fused gate_up LoRA B: a target_parameters delta follows the model's own parameter (GPT-OSS
 interleaves gate and up: de-interleaved here); a fused / shared-outer 3D B is [gate; up] unless `gate_up_layout`
 says "interleaved" — on a model whose own order is interleaved it must be given (GATE_UP_LAYOUTS).
@@ -60,6 +63,7 @@ class Adapter:
     overrides: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # site -> {weight, bias}
     layouts: set[str] = field(default_factory=set)
     targets: list[dict] = field(default_factory=list)  # one row per target for reports: site, kind, rank, ...
+    skipped: list[str] = field(default_factory=list)  # keys for parts of the trainer's model that ours leaves out
 
     def max_rank(self) -> int:
         ranks = [A.shape[-2] for A, _ in self.dense.values()] + [A.shape[-1] for A, _ in self.embedding.values()]
@@ -99,13 +103,15 @@ def load_adapter(adapter_dir: str | Path, name: str, model, gate_up_layout: str 
     if not adapter_dir.is_dir():
         raise InputError(adapter_dir, f"adapter folder for '{name}' not found")
     # module paths of older transformers -> ours, per family (e.g. Mixtral's block_sparse_moe -> mlp)
-    renames = getattr(FAMILIES.get(model.args.model_type), "ADAPTER_RENAMES", ())
+    family = FAMILIES.get(model.args.model_type)
+    renames = getattr(family, "ADAPTER_RENAMES", ())
     config = _renamed_config(AdapterConfig.read(adapter_dir), renames)
     sites = Sites.of(model)
-    targeted = resolve_targets(config, sites)
+    targeted = resolve_targets(config, sites, outside=getattr(family, "ADAPTER_SKIPPED_MODULES", ()))
     tensors, wfile = read_adapter_tensors(adapter_dir)
     adapter = Adapter(name=name, path=adapter_dir, config=config, weights_file=wfile)
-    parser = _Parser(adapter, sites, wfile, targeted, renames, gate_up_layout)
+    parser = _Parser(adapter, sites, wfile, targeted, renames, gate_up_layout,
+                     skipped=getattr(family, "ADAPTER_SKIPPED_PREFIXES", ()))
     for key, tensor in tensors.items():
         parser.add(key, tensor)
     parser.finish()
@@ -134,8 +140,9 @@ def _renamed_config(config: AdapterConfig, renames) -> AdapterConfig:
 
 class _Parser:
     def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str], renames=(),
-                 gate_up_layout: str | None = None):
+                 gate_up_layout: str | None = None, skipped: tuple[str, ...] = ()):
         self.adapter, self.sites, self.wfile, self.renames = adapter, sites, wfile, renames
+        self.skipped = tuple(skipped)
         self.gate_up_layout = gate_up_layout
         self.targeted = set(targeted)
         self.weight_sites = {**sites.linear, **sites.norm, **sites.embedding}  # modules_to_save candidates
@@ -151,6 +158,9 @@ class _Parser:
         if not key.startswith(PREFIX):
             raise self.error(key, f"expected adapter keys to start with '{PREFIX}'")
         k = _renamed(key[len(PREFIX):], self.renames)
+        if self.skipped and k.startswith(self.skipped):  # a part of the trainer's model that ours leaves out
+            self.adapter.skipped.append(key)
+            return
         if "lora_magnitude_vector" in k:
             raise UnsupportedError(self.wfile, "DoRA magnitude vectors are not supported by lora-eval", key=key)
         if re.search(r"\.lora_[AB]\.bias$", k):

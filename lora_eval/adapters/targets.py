@@ -58,11 +58,14 @@ def kind_of(name: str) -> str:
         return "experts"
     if ".shared_expert." in name:  # Qwen2-MoE's shared expert: dense, but not the dense MLP
         return "shared_expert." + name.rsplit(".", 1)[-1]
+    if ".shared_experts." in name:  # GLM-4.5's (and DeepSeek-V3's) shared experts, likewise
+        return "shared_experts." + name.rsplit(".", 1)[-1]
     return name.rsplit(".", 1)[-1]
 
 
-def resolve_targets(config: AdapterConfig, sites: Sites) -> list[str]:
-    """Module names the config targets; an entry (or regex) that matches nothing is an InputError."""
+def resolve_targets(config: AdapterConfig, sites: Sites, outside: tuple[str, ...] = ()) -> list[str]:
+    """Module names the config targets; an entry (or regex) that matches nothing is an InputError, except an entry
+    in `outside`: a module of the trainer's model that ours leaves out (a family's vision tower)."""
     names = sites.module_names()
     targets = config.target_modules
     if targets in ("all-linear", "all"):
@@ -75,7 +78,7 @@ def resolve_targets(config: AdapterConfig, sites: Sites) -> list[str]:
         chosen = []
         for entry in targets or []:
             hits = [n for n in names if n == entry or n.endswith(f".{entry}")]
-            if not hits:
+            if not hits and entry not in outside:
                 raise InputError(config.path, f"entry '{entry}' matches no module of this model "
                                  f"(e.g. {', '.join(_examples(names))})", key="target_modules")
             chosen += hits

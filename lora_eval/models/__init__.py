@@ -11,11 +11,12 @@ import torch
 from ..checkpoint import TensorDict, TensorFiles, read_json
 from ..errors import InputError, UnsupportedError
 from ..quantized import QuantizedFiles, read_quantization
-from . import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3
+from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3, qwen3_vl_moe
 from .layers import Linear, group_projections
 
 # model_type in config.json -> the module holding that family's ModelArgs, CausalLM and load_weights
-FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, gpt_oss)
+FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, gpt_oss, glm4_moe, qwen3_vl_moe,
+                                             deepseek_v3)
             for model_type in family.MODEL_TYPES}
 # transformers' in-memory names that are not checkpoint tensors
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -70,7 +71,10 @@ def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, 
         files = QuantizedFiles(files, quant, dtype, torch.device(device))
     weights = family.load_weights(model, files, dtype, torch.device(device))
     args.quantization = files.numerics() if quant is not None else None
-    unused = [k for k in files.keys() if k not in files.read_keys and not k.endswith(NOT_WEIGHTS)]
+    # checkpoint parts that are no weights of our model, by the family's say (a vision tower, MTP layers)
+    skipped = tuple(getattr(args, "skipped_key_prefixes", ()))
+    unused = [k for k in files.keys() if k not in files.read_keys and not k.endswith(NOT_WEIGHTS)
+              and not k.startswith(skipped)]
     if unused:
         raise InputError(files.file_of(unused[0]), f"not a weight of a {_describe(args)} model as config.json "
                          f"describes it ({len(unused)} such keys); does config.json match the weights?",
