@@ -4,6 +4,7 @@
 #   bash benchmarks/multi_gpu.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # MULTI_CONFIG, MULTI_LAYERS, MULTI_SAMPLES change the model and the reference (default: Qwen3-30B-A3B, 48 layers,
 # 4096 samples); WORK is where the checkpoint goes (default /tmp/lora-eval-multi). NVLink multicast stays off.
+# EP_LAYERS=N also runs expert parallel on N layers of Qwen3-235B-A22B (see the end of this script).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 WORK=${WORK:-/tmp/lora-eval-multi}
@@ -36,3 +37,16 @@ same = all((work / "one" / f).read_bytes() == (work / "all" / f).read_bytes()
            for f in ("summary.csv", "samples.csv", "tokens.parquet"))
 print("tables byte-identical to one GPU:", same)
 PY
+
+# Expert parallel on a model that does not fit one GPU: a random-weight Qwen3-235B-A22B cut to EP_LAYERS layers
+# (default 24: 115 GB in bf16, built on the CPU), written to disk, compared over every GPU with --expert-parallel.
+if [ -n "${EP_LAYERS:-}" ]; then
+  EPWORK=${EPWORK:-/tmp/lora-eval-ep}
+  [ -f "$EPWORK/reference.parquet" ] || python3 benchmarks/write_checkpoint.py --config benchmarks/configs/Qwen3-235B-A22B.json \
+      --layers "$EP_LAYERS" --samples "${EP_SAMPLES:-512}" --device cpu --out "$EPWORK" 2>&1 | tail -n 3
+  lora-eval plan --model "$EPWORK/model" --adapter "adapter=$EPWORK/peft/adapter" --gpus "$GPUS" | tee "$OUT/ep_plan.txt"
+  torchrun --standalone --nproc-per-node "$GPUS" --no-python lora-eval compare --model "$EPWORK/model" \
+      --adapter "adapter=$EPWORK/peft/adapter" --reference "$EPWORK/reference.parquet" --expert-parallel --quiet \
+      --overwrite --out "$EPWORK/run" 2>&1 | tee "$OUT/ep.log" | tail -n 3
+  cp "$EPWORK/run/run.json" "$OUT/ep.json"
+fi

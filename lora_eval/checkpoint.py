@@ -109,6 +109,15 @@ class TensorFiles:
             raise InputError(path, f"cannot read tensor ({e}); is the file truncated?", key=key) from None
         return tensor if dtype is None else tensor.to(dtype)
 
+    def get_rows(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Rows start .. start+count of `key` along its first dimension, reading only those bytes."""
+        path = self._where[key]
+        self.read_keys.add(key)
+        try:
+            return self._handles[path].get_slice(key)[start:start + count]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise InputError(path, f"cannot read tensor ({e}); is the file truncated?", key=key) from None
+
     def describe(self) -> str:
         paths = sorted({str(p) for p in self._handles})
         return paths[0] if len(paths) == 1 else f"{Path(paths[0]).parent} (sharded checkpoint)"
@@ -159,6 +168,11 @@ class TensorDict:
         self.read_keys.add(key)
         tensor = self._tensors[key]
         return tensor if dtype is None else tensor.to(dtype)
+
+    def get_rows(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Rows start .. start+count of `key` along its first dimension (a view)."""
+        self.read_keys.add(key)
+        return self._tensors[key][start:start + count]
 
     def describe(self) -> str:
         return self.where

@@ -101,7 +101,11 @@ def device_options(command):
 
 
 def graph_options(command):
-    """--no-cuda-graphs, --graph-buckets, --max-graph-memory (runners/graphs.py) for commands that run the engine."""
+    """--no-cuda-graphs, --graph-buckets, --max-graph-memory (runners/graphs.py), and --expert-parallel, for commands
+    that run the engine."""
+    command = click.option("--expert-parallel", is_flag=True,
+                           help="Under torchrun: spread every MoE layer's experts over the processes (a model larger "
+                           "than one GPU); attention, routers and the rest are replicated.")(command)
     command = click.option("--max-graph-memory", default=None, type=click.FloatRange(min=0), metavar="GB",
                            help="Stop capturing new graphs once their memory pool reaches this (default: no limit)."
                            )(command)
@@ -119,11 +123,11 @@ def run_options(command):
                         "another command); a partial run of these very inputs is resumed either way.")(command)
 
 
-def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_buckets=32,
-                   max_graph_memory=None) -> EngineOptions:
+def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_buckets=32, max_graph_memory=None,
+                   expert_parallel=False) -> EngineOptions:
     memory = None if max_graph_memory is None else int(max_graph_memory * 2**30)
     return EngineOptions(device=device, dtype=dtype, gate_up_layout=gate_up_layout, cuda_graphs=not no_cuda_graphs,
-                         graph_buckets=graph_buckets, max_graph_memory=memory).resolved()
+                         graph_buckets=graph_buckets, max_graph_memory=memory, expert_parallel=expert_parallel)
 
 
 class Main(click.Group):
@@ -232,11 +236,13 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
 @graph_options
 @run_options
 def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, junit_path, device,
-                dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, overwrite, quiet):
+                dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, expert_parallel, overwrite,
+                quiet):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed. A run into a folder
     that holds this very run prints its summary; a killed run resumes where it stopped."""
     check_out(junit_path, "--junit", single_file=True)
-    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory)
+    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
+                             expert_parallel)
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                      options=options, batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
                      quiet=quiet, overwrite=overwrite, notice=notice)
@@ -264,10 +270,12 @@ def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_
 @graph_options
 @run_options
 def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
-             device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, overwrite, quiet):
+             device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, expert_parallel,
+             overwrite, quiet):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
     check_out(junit_path, "--junit", single_file=True)
-    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory)
+    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
+                             expert_parallel)
     result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
                   subjects=subjects, limit=limit, max_drop=max_drop, options=options, batch_tokens=batch_tokens,
                   quiet=quiet, overwrite=overwrite, notice=notice)

@@ -58,7 +58,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         t0 = time.perf_counter()
         refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
         if engine is None:
-            check_fits(model, adapters, options.device, options.dtype, batch_tokens)
+            check_fits(model, adapters, options.device, options.dtype, batch_tokens,
+                       ranks.world if ranks and options.expert_parallel else 1)
         parsed = None if engine is not None else read_adapters(model, adapters, options)
         lengths = [len(ids) for ids in refs["input_ids"]]
         batches = make_batches(lengths, batch_tokens)
@@ -77,8 +78,12 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         timings["load_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        with folder.work([sum(lengths[i] for i in b) for b in batches], "compare", "tok", quiet) as work:
-            for b in work.pending(range(len(batches))):
+        with folder.work([sum(lengths[i] for i in b) for b in batches], "compare", "tok", quiet,
+                         lockstep=options.expert_parallel) as work:
+            for b in work.steps(range(len(batches))):
+                if b is None:
+                    engine.stand_in()
+                    continue
                 rows = refs.iloc[batches[b]]
                 tags = [a if isinstance(a, str) else None for a in rows["adapter"]]
                 logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags))

@@ -10,6 +10,8 @@ own parts, and rank 0 merges all parts into the files a single process writes. A
 which rank computed it (the same batches), so the merged files equal a single process's byte for byte wherever the
 engine is batch-invariant.
 
+Expert parallel (expert_parallel.py) runs on the same ranks, its batches in lock-step (Work.steps).
+
 Failures: the phases run inside `together()`, which ends with an exchange of every rank's outcome. An error on any
 rank fails every rank with the same exit code; the lowest failing rank prints the one line (naming its rank), the
 others exit quietly (PeerFailed). A rank whose work fails marks it in the process group's store, and the others stop

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from .adapters import Adapter, AdapterStack, load_adapter
+from .distributed import Ranks
 from .errors import InputError
+from .expert_parallel import ExpertParallel
 from .forward import BACKENDS, Forward
 from .models import load_model
 from .runners.graphs import BucketPlan
@@ -32,7 +34,8 @@ class EngineOptions:
     device: "auto" (cuda when torch sees a GPU, else cpu), "cpu", "cuda" or "cuda:N". dtype: "auto" (bfloat16 on
     cuda, float32 on cpu) or a DTYPES name. backend: "torch" or "triton" (None: triton on cuda). gate_up_layout: the
     row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py). cuda_graphs: replay
-    captured forwards on a GPU, at most graph_buckets graphs and max_graph_memory bytes of pool (runners/graphs.py)."""
+    captured forwards on a GPU, at most graph_buckets graphs and max_graph_memory bytes of pool (runners/graphs.py).
+    expert_parallel: the routed experts spread over the ranks of a torchrun job (expert_parallel.py)."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -41,6 +44,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     graph_buckets: int = 32
     max_graph_memory: int | None = None
+    expert_parallel: bool = False
 
     def resolved(self) -> "EngineOptions":
         """The same options with "auto" replaced by what this machine gives; InputError on a bad value."""
@@ -57,6 +61,9 @@ class EngineOptions:
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         if dtype not in DTYPES:
             raise InputError("--dtype", f"'{dtype}' is not one of auto, {', '.join(DTYPES)}")
+        if self.expert_parallel and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+            raise InputError("--expert-parallel", "spreads the experts over the processes of a torchrun job: run it "
+                             "under torchrun with 2 or more processes")
         return replace(self, device=device, dtype=dtype)
 
     def record(self) -> dict:
@@ -66,7 +73,7 @@ class EngineOptions:
         name = torch.cuda.get_device_name(torch.device(self.device)) if device == "cuda" else "cpu"
         return dict(device=device, device_name=name, dtype=self.dtype,
                     backend=self.backend or ("triton" if device == "cuda" else "torch"),
-                    gate_up_layout=self.gate_up_layout, cuda_graphs=graphs)
+                    gate_up_layout=self.gate_up_layout, cuda_graphs=graphs, expert_parallel=self.expert_parallel)
 
 
 def read_adapters(model_dir: str | Path, adapters: dict[str, str | Path] | None,
@@ -92,8 +99,9 @@ class Engine:
     Triton kernels; the default on CUDA)."""
 
     def __init__(self, model, adapters=(), backend: str | None = None, logits_budget: int = LOGITS_BUDGET,
-                 cuda_graphs: bool = True, graph_plan: BucketPlan | None = None):
+                 cuda_graphs: bool = True, graph_plan: BucketPlan | None = None, expert_parallel=None):
         self.model = model
+        self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel: experts over the ranks
         self.adapters = list(adapters)
         self.stack = AdapterStack(self.adapters, model) if self.adapters else None
         device = model.inv_freq.device
@@ -102,7 +110,7 @@ class Engine:
             raise InputError("--backend", f"'{self.backend}' is not one of {', '.join(BACKENDS)}")
         self.logits_budget = logits_budget
         self.graphs = None  # CUDA graphs: the Triton path on a GPU only (the torch path is the oracle)
-        if cuda_graphs and device.type == "cuda" and self.backend == "triton":
+        if cuda_graphs and device.type == "cuda" and self.backend == "triton" and expert_parallel is None:
             from .runners.graphs import GraphRunner
 
             self.graphs = GraphRunner(self._build, device, graph_plan)
@@ -115,9 +123,20 @@ class Engine:
         options = (options or EngineOptions()).resolved()
         if not isinstance(adapters, list):
             adapters = read_adapters(model_dir, adapters, options)
-        model = load_model(model_dir, dtype=DTYPES[options.dtype], device=options.device)
+        spread = None
+        if options.expert_parallel:
+            ranks = Ranks.from_env()
+            spread = ExpertParallel(ranks.rank, ranks.world, load_model(model_dir, device="meta").args.num_experts)
+            adapters = [spread.shard_adapter(a) for a in adapters]
+        model = load_model(model_dir, dtype=DTYPES[options.dtype], device=options.device, experts=spread)
         plan = BucketPlan(max_buckets=options.graph_buckets, max_memory=options.max_graph_memory)
-        return cls(model, adapters, backend=options.backend, cuda_graphs=options.cuda_graphs, graph_plan=plan)
+        return cls(model, adapters, backend=options.backend, cuda_graphs=options.cuda_graphs, graph_plan=plan,
+                   expert_parallel=spread)
+
+    def stand_in(self) -> None:
+        """A two-token batch whose result nobody reads: under expert parallel, this rank's part in a step where it
+        has no batch of its own (every rank takes part in every MoE layer's exchange)."""
+        self.logprobs(Batch([[0, 0]], [None]))
 
     @property
     def adapter_names(self) -> list[str]:
@@ -206,7 +225,8 @@ class Engine:
         """The model's forward over device tensors: ids [B, L], token_slots [B*L] -> hidden [B*L, H]. What the
         graph runner captures (every row at full length there: padding comes after the real positions)."""
         lengths = lengths or [ids.shape[1]] * ids.shape[0]
-        fwd = Forward(self.backend, lengths, self.stack if lora else None, token_slots if lora else None)
+        fwd = Forward(self.backend, lengths, self.stack if lora else None, token_slots if lora else None,
+                      self.expert_parallel)
         return self.model(ids, fwd)
 
     def _forward(self, input_ids: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, int, bool]:
@@ -217,7 +237,8 @@ class Engine:
         ids = torch.zeros(B, L, dtype=torch.long)  # [B, L]
         for i, row in enumerate(input_ids):
             ids[i, :len(row)] = torch.tensor(row)
-        with_lora = self.stack is not None and max(slots) >= 0
+        # under expert parallel this rank's experts also serve other ranks' adapter rows
+        with_lora = self.stack is not None and (max(slots) >= 0 or self.expert_parallel is not None)
         if self.graphs is not None:
             replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B)
             if replayed is not None:

@@ -22,10 +22,12 @@ BACKENDS = ("torch", "triton")
 
 
 class Forward:
-    def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None):
+    def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None,
+                 expert_parallel=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend, self.lengths = backend, lengths
+        self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
         self.stack = stack if token_slots is not None else None
         self.token_slots = token_slots  # [T]
@@ -42,7 +44,7 @@ class Forward:
     def subset(self, rows: torch.Tensor) -> "Forward":
         """The same pass restricted to some token rows (lm_head chunks)."""
         slots = self.token_slots[rows] if self.stack is not None else None
-        return Forward(self.backend, self.lengths, self.stack, slots)
+        return Forward(self.backend, self.lengths, self.stack, slots, self.expert_parallel)
 
     # ---- per-slot selection ------------------------------------------------------------------------------
     def _groups(self, slots: frozenset[int]) -> list[tuple[int, torch.Tensor]]:
@@ -225,7 +227,9 @@ class Forward:
     def moe(self, experts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             residual: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts of one layer: x [T, H], topk [T, k] -> [T, H]; `residual` [T, H]: residual + that (on the
-        Triton path added inside the sum over k)."""
+        Triton path added inside the sum over k). Under expert parallel the pairs go to their experts' ranks."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel.moe(self, experts, x, topk_ids, topk_weights, residual)
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
         variant = dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
                        activation=experts.activation, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)

@@ -90,7 +90,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                              f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
                              "belong to this model", key="vocab_size")
         if engine is None:
-            check_fits(model, adapters, options.device, options.dtype, batch_tokens)
+            check_fits(model, adapters, options.device, options.dtype, batch_tokens,
+                       ranks.world if ranks and options.expert_parallel else 1)
         parsed = None if engine is not None else read_adapters(model, adapters, options)
         models = [BASE, *adapters]
         tags = [None, *adapters]
@@ -116,8 +117,11 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         timings["load_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        with folder.work([len(b) for b in batches], "mmlu", "rows", quiet) as work:
-            for b in work.pending(range(len(batches))):
+        with folder.work([len(b) for b in batches], "mmlu", "rows", quiet, lockstep=options.expert_parallel) as work:
+            for b in work.steps(range(len(batches))):
+                if b is None:
+                    engine.stand_in()
+                    continue
                 batch = batches[b]
                 scores = engine.next_token_logprobs(Batch([rows_ids[i] for i in batch],
                                                           [rows_tags[i] for i in batch]), candidates).numpy()

@@ -9,7 +9,8 @@ much as bf16). Per GPU:
   activations  the largest layer's working set at `batch_tokens` tokens: attention (q, k, v, output) or the MoE
                (top-k copies of gate_up, activation, down) — whichever is larger — plus the hidden states and the
                64 MiB of logits a batch computes at a time
-  graphs       CUDA graphs' memory pool: the activations of the largest captured bucket (16,384 tokens)
+  graphs       CUDA graphs' memory pool: the activations of the largest captured bucket (16,384 tokens); none under
+               expert parallel, which runs eagerly
 The figures are estimates for deciding what fits; a run records what it really took.
 """
 
@@ -104,7 +105,8 @@ def plan(model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *
             continue
         share = math.ceil(counts["num_experts"] / n) / counts["num_experts"] if layout == "expert parallel" else 1
         parts = dict(experts=counts["experts"] * share * size, replicated=counts["replicated"] * size,
-                     adapters=(adapter_experts * share + adapter_other) * size, activations=acts, graphs=graphs)
+                     adapters=(adapter_experts * share + adapter_other) * size, activations=acts,
+                     graphs=0 if layout == "expert parallel" else graphs)  # expert parallel runs eagerly
         total = sum(parts.values())
         rows.append(dict(layout=layout, gpus=n, **{f"{k}_gb": v / GB for k, v in parts.items()},
                          per_gpu_gb=total / GB, gpu_memory_gb=memory, fits=total / GB <= memory))
@@ -118,12 +120,14 @@ def default_gpu_memory_gb() -> float:
     return 80.0
 
 
-def check_fits(model_dir: str | Path, adapters: dict, device: str, dtype: str, batch_tokens: int) -> None:
+def check_fits(model_dir: str | Path, adapters: dict, device: str, dtype: str, batch_tokens: int,
+               expert_ranks: int = 1) -> None:
     """Refuse (InputError, before anything loads) a run whose weights, adapters and activations cannot fit the
-    device: its free GPU memory, or the host's available memory for a CPU run."""
-    counts, rows = plan(model_dir, adapters, batch_tokens=batch_tokens, dtype=dtype,
-                        cuda_graphs=device.startswith("cuda"))
-    need = float(rows.iloc[0]["per_gpu_gb"])
+    device: its free GPU memory, or the host's available memory for a CPU run. `expert_ranks`: the ranks an expert
+    parallel run spreads the experts over (1: every rank holds them all)."""
+    counts, rows = plan(model_dir, adapters, gpus=expert_ranks, batch_tokens=batch_tokens, dtype=dtype,
+                        cuda_graphs=device.startswith("cuda") and expert_ranks == 1)
+    need = float(rows.iloc[-1 if expert_ranks > 1 else 0]["per_gpu_gb"])
     if device.startswith("cuda"):
         free = torch.cuda.mem_get_info(torch.device(device))[0] / GB
         where = f"{free:.1f} GB free on {device}"
@@ -152,7 +156,5 @@ def plan_text(counts: dict, rows: pd.DataFrame) -> str:
     shown = rows.assign(fits=rows["fits"].map({True: "fits", False: "does not fit"}))
     with pd.option_context("display.width", 200, "display.float_format", "{:.1f}".format):
         text = head + "\n" + shown.to_string(index=False)
-    if "expert parallel" in set(rows["layout"]):
-        text += "\nnote: expert parallel is planned here but not built yet; one GPU and data parallel run today"
     return text
 

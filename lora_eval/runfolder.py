@@ -29,6 +29,7 @@ import io
 import json
 import os
 import platform
+import resource
 import secrets
 import shutil
 import signal
@@ -436,9 +437,10 @@ class RunFolder:
 
     # -- the work --
 
-    def work(self, weights: list[int], desc: str, unit: str, quiet: bool = False) -> "Work":
+    def work(self, weights: list[int], desc: str, unit: str, quiet: bool = False, lockstep: bool = False) -> "Work":
         """The units of this run's work (weights: progress per unit, e.g. tokens of a batch), with the units
-        finished before read back from the parts; with data-parallel ranks, this rank's share of the rest."""
+        finished before read back from the parts; with data-parallel ranks, this rank's share of the rest, in
+        `lockstep` with the other ranks where their forwards exchange data (expert parallel)."""
         done = read_parts(self.parts_dir, self.notice) if self.out is not None and self.leads else {}
         mine = None
         if self.ranks is not None:
@@ -446,7 +448,7 @@ class RunFolder:
             done = done if self.leads else dict.fromkeys(finished)
             pending = [u for u in range(len(weights)) if u not in done]
             mine = set(assign(pending, weights, self.ranks.world)[self.ranks.rank])
-        return Work(self, weights, done, desc, unit, quiet, mine)
+        return Work(self, weights, done, desc, unit, quiet, mine, lockstep and self.ranks is not None)
 
     def finish(self, work: "Work", merge, reread):
         """The run's end: `merge(every unit's rows)` builds the result and commits it. With data-parallel ranks,
@@ -517,6 +519,11 @@ def read_record(folder: Path, required: bool = True) -> dict | None:
 # ---- parts ----------------------------------------------------------------------------------------------
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident host memory so far, in MiB."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def read_parts(parts_dir: Path, notice) -> dict[int, pd.DataFrame]:
     """unit -> its rows, from every part a run left. A part that cannot be read (the disk lost it) is dropped
     with a notice: its units are computed again."""
@@ -542,8 +549,9 @@ class Work:
     exchanges every rank's outcome (distributed.py), and a rank stops early when another one's work failed."""
 
     def __init__(self, folder: RunFolder, weights: list[int], done: dict[int, pd.DataFrame], desc: str, unit: str,
-                 quiet: bool, mine: set[int] | None = None):
+                 quiet: bool, mine: set[int] | None = None, lockstep: bool = False):
         self.folder, self.weights, self.done, self.mine = folder, list(weights), dict(done), mine
+        self.lockstep = lockstep
         self.ranks = folder.ranks
         self.desc, self.unit, self.quiet = desc, unit, quiet or not folder.leads
         self.part_items = int(os.environ.get("LORA_EVAL_PART_ITEMS", PART_ITEMS))
@@ -584,7 +592,8 @@ class Work:
         if error is not None and not isinstance(error, PeerFailed):
             self.ranks.mark_failed()
         self.ranks.exchange(error)
-        self.per_rank = self.ranks.gather(dict(computed=self.computed, parts_s=round(self.parts_s, 4)))
+        self.per_rank = self.ranks.gather(dict(computed=self.computed, parts_s=round(self.parts_s, 4),
+                                               peak_rss_mb=peak_rss_mb()))
 
     def _ask_stop(self, signum, frame) -> None:
         if self._stop is not None:  # a second signal: stop now (the finished parts are on disk)
@@ -594,6 +603,24 @@ class Work:
     def pending(self, units) -> list[int]:
         return [u for u in units if u not in self.done and (self.mine is None or u in self.mine)]
 
+    def steps(self, units):
+        """This rank's pending units, one per step. In lock-step (expert parallel), every rank takes as many steps as
+        the busiest one — None where it has no unit left (run a stand-in batch) — and a stop is decided together."""
+        mine = self.pending(units)
+        if not self.lockstep:
+            yield from mine
+            return
+        for i in range(max(self.ranks.gather(len(mine)))):
+            asked = [s for s in self.ranks.gather((self._stop, self.ranks.peer_failed())) if any(s)]
+            if asked:
+                self.flush()
+                signum = next((s for s, _ in asked if s is not None), None)
+                if signum is None:
+                    raise PeerFailed(EXIT_INTERNAL)
+                raise Interrupted(signum, f"interrupted by {signal.Signals(signum).name}; "
+                                  f"{self.folder.resume_hint()}")
+            yield mine[i] if i < len(mine) else None
+
     def record(self, unit: int, rows: pd.DataFrame) -> None:
         self.done[unit] = rows
         self._pending[unit] = rows
@@ -602,6 +629,8 @@ class Work:
         items = sum(len(r) for r in self._pending.values())
         if items >= self.part_items or time.monotonic() - self._last_flush >= self.part_seconds:
             self.flush()
+        if self.lockstep:
+            return  # stops are decided together, in steps()
         if self._stop is not None:
             self.flush()
             finished = sum(self.weights[u] for u in self.done)
@@ -635,10 +664,11 @@ class Work:
         return self.done
 
     def stats(self) -> dict:
-        """For the run record: units, those done before this run, the amount (e.g. tokens) this run computed, and
-        the time spent writing parts (under data parallel: summed over the ranks, each rank's beside)."""
+        """For the run record: units, those done before this run, the amount (e.g. tokens) this run computed, the
+        time spent writing parts and the process's peak host memory (under data parallel: the first two summed over
+        the ranks, each rank's figures beside)."""
         stats = dict(units=len(self.weights), resumed_units=self.resumed_units, computed=self.computed,
-                     parts_s=round(self.parts_s, 4))
+                     parts_s=round(self.parts_s, 4), peak_rss_mb=peak_rss_mb())
         if self.per_rank is not None:
             stats.update(computed=sum(r["computed"] for r in self.per_rank),
                          parts_s=round(sum(r["parts_s"] for r in self.per_rank), 4), ranks=self.per_rank)

@@ -22,15 +22,17 @@ FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, 
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Our model for the local Hugging Face checkpoint folder `model_dir`, weights in compute `dtype` on `device`."""
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               experts=None):
+    """Our model for the local Hugging Face checkpoint folder `model_dir`, weights in compute `dtype` on `device`;
+    with `experts` (lora_eval.expert_parallel.ExpertParallel), only this rank's share of the routed experts."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(model_dir, "model folder not found")
     config_path = model_dir / "config.json"
     config = read_json(config_path)
     family, args, quant = _family_args_quantization(config, config_path)
-    return _build(family, args, TensorFiles.from_checkpoint_dir(model_dir), dtype, device, quant)
+    return _build(family, args, TensorFiles.from_checkpoint_dir(model_dir), dtype, device, quant, experts)
 
 
 def load_model_from_tensors(config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -62,11 +64,14 @@ def _family_args_quantization(config: dict, where):
     return family, args, read_quantization(config, where)
 
 
-def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, quant=None):
+def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, quant=None, experts=None):
     """Our model of `args` with every weight read from `files` (TensorFiles or TensorDict), dequantised per
     `quant` (lora_eval.quantized.Quantization) where stored quantized."""
     with torch.device("meta"):
         model = family.CausalLM(args)
+    if experts is not None:  # expert parallel: this rank's experts, read alone
+        experts.shard_model(model)
+        files = experts.shard_files(files)
     if quant is not None:
         files = QuantizedFiles(files, quant, dtype, torch.device(device))
     weights = family.load_weights(model, files, dtype, torch.device(device))
