@@ -1,9 +1,10 @@
 """MMLU prompts: the paper's k-shot format, tokenised with the model's own tokenizer, and the answer tokens.
 
-Prompt (one space after "about", where the original script printed two):
+Prompt — byte for byte lm-evaluation-harness's default `mmlu` task (tests/test_mmlu.py checks a sample it built), so
+accuracies compare with lm-eval's; one space after "about", where the paper's script printed two:
     The following are multiple choice questions (with answers) about {subject, _ as spaces}.\\n\\n
-    then k dev examples, each  {question}\\nA. {A}\\nB. {B}\\nC. {C}\\nD. {D}\\nAnswer: {letter}\\n\\n
-    then the test question      {question}\\nA. {A}\\nB. {B}\\nC. {C}\\nD. {D}\\nAnswer:
+    then k dev examples, each  {question, stripped}\\nA. {A}\\nB. {B}\\nC. {C}\\nD. {D}\\nAnswer: {letter}\\n\\n
+    then the test question      {question, stripped}\\nA. {A}\\nB. {B}\\nC. {C}\\nD. {D}\\nAnswer:
 The shots are the subject's first k dev rows. When the tokenised prompt is longer than the model's
 `max_position_embeddings`, shots are dropped from the end until it fits (the paper's rule).
 
@@ -28,8 +29,9 @@ def subject_header(subject: str) -> str:
 
 
 def format_question(row, with_answer: bool) -> str:
-    """One question block; `row` maps question, A-D and answer (a dev example shows its answer)."""
-    text = row["question"] + "".join(f"\n{x}. {row[x]}" for x in LETTERS) + "\nAnswer:"
+    """One question block; `row` maps question, A-D and answer (a dev example shows its answer). The question is
+    stripped of surrounding whitespace, the choices are not: lm-evaluation-harness's `mmlu` task does the same."""
+    text = row["question"].strip() + "".join(f"\n{x}. {row[x]}" for x in LETTERS) + "\nAnswer:"
     return text + f" {row['answer']}\n\n" if with_answer else text
 
 

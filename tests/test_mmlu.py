@@ -331,6 +331,22 @@ def test_known_prompt_byte_for_byte(real, bpe, tmp_path, layout):
     assert ids == [bpe(ABSTRACT_ALGEBRA_0)["input_ids"]] and used == [5]
 
 
+def test_prompts_equal_lm_evaluation_harness(real):
+    """Our 5-shot prompts are byte for byte what lm-evaluation-harness's default `mmlu` task builds (its description,
+    `question.strip()`, choice lines, "Answer:", the first dev examples, delimiters), and our scored continuations
+    are its " A".." D": the first two test questions of all 57 subjects, as lm-eval 0.4.13 built them
+    (tests/data/make_lmeval_mmlu_sample.py says how the sample was made)."""
+    sample = json.loads((Path(__file__).parent / "data" / "lmeval_mmlu_contexts.json").read_text(encoding="utf-8"))
+    questions = select(real["test"][2], None, 2, DATA, "test")
+    ours = dict(zip(zip(questions["subject"], questions["question_index"]), prompts(questions, real["dev"][2], 5)))
+    assert len(sample["contexts"]) == 114 and {c["subject"] for c in sample["contexts"]} == set(CATEGORIES)
+    for c in sample["contexts"]:
+        assert ours[c["subject"], c["question_index"]] == c["context"], (c["subject"], c["question_index"])
+        assert c["continuations"] == [f" {x}" for x in LETTERS]
+    shown = pd.concat([questions, real["dev"][2].groupby("subject").head(5)])
+    assert (shown["question"] != shown["question"].str.strip()).sum() >= 3  # the strip is exercised
+
+
 def test_answer_tokens_follow_answer_colon(bpe, tmp_path):
     ids = answer_tokens(bpe, "bpe")
     assert bpe.convert_ids_to_tokens(ids) == ["ĠA", "ĠB", "ĠC", "ĠD"]  # " A": the dev examples' continuation
