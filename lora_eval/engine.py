@@ -67,13 +67,16 @@ class EngineOptions:
         return replace(self, device=device, dtype=dtype)
 
     def record(self) -> dict:
-        """What a run record and a run's fingerprint keep of the options (resolve first)."""
+        """What a run record and a run's fingerprint keep of the options (resolve first). On the CPU that includes
+        torch's thread count: matrix products split their sums by thread, so the last bits of a result depend on it
+        (torchrun gives each worker one thread unless OMP_NUM_THREADS says otherwise)."""
         device = self.device.split(":")[0]  # a rank's own GPU is not part of what a run computes
         graphs = dict(max_buckets=self.graph_buckets, max_memory=self.max_graph_memory) if self.cuda_graphs else None
         name = torch.cuda.get_device_name(torch.device(self.device)) if device == "cuda" else "cpu"
         return dict(device=device, device_name=name, dtype=self.dtype,
                     backend=self.backend or ("triton" if device == "cuda" else "torch"),
-                    gate_up_layout=self.gate_up_layout, cuda_graphs=graphs, expert_parallel=self.expert_parallel)
+                    gate_up_layout=self.gate_up_layout, cuda_graphs=graphs, expert_parallel=self.expert_parallel,
+                    threads=torch.get_num_threads() if device == "cpu" else None)
 
 
 def read_adapters(model_dir: str | Path, adapters: dict[str, str | Path] | None,

@@ -5,9 +5,8 @@ Adapters PEFT can load run through PEFT. Expert layouts PEFT cannot load into tr
 s * B @ A added into a copy of the transformers weights, which transformers then runs.
 
 Prompts come as JSONL (prompts.py). Each prompt is one unit of work of a run folder: a killed dump resumes, and
-torchrun ranks share the prompts (distributed.py). On the CPU, transformers' numbers depend on the thread count in
-the last bits (torchrun gives each worker one thread unless OMP_NUM_THREADS says otherwise), so the dump's
-fingerprint holds it.
+torchrun ranks share the prompts (distributed.py). On the CPU the thread count is part of the fingerprint
+(EngineOptions.record).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
         record = options.record()
         task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
                             gate_up_layout=options.gate_up_layout, default_adapter=default_adapter,
-                            threads=torch.get_num_threads() if record["device"] == "cpu" else None)
+                            threads=record["threads"])
         files = {**model_files(model_dir), **adapter_files(adapters),
                  f"prompts/{Path(prompts).name}": file_digest(Path(prompts))}
         arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()},
