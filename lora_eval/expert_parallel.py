@@ -176,8 +176,7 @@ class ExpertParallel:
         ids = items[:, :1]  # [n, 1]
         ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)  # [n, 1]: weights applied at home
         slots = items[:, 1] if lora is not None else None  # [n]
-        variant = dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
-                       activation=experts.activation, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)
+        variant = experts.variant()
         if fwd.triton:
             from .kernels.fused_moe import fused_moe
 

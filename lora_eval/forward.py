@@ -231,8 +231,7 @@ class Forward:
         if self.expert_parallel is not None:
             return self.expert_parallel.moe(self, experts, x, topk_ids, topk_weights, residual)
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
-        variant = dict(gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
-                       activation=experts.activation, alpha=experts.swiglu_alpha, limit=experts.swiglu_limit)
+        variant = experts.variant()
         if self.triton:
             from .kernels.fused_moe import fused_moe
 

@@ -178,16 +178,11 @@ def _checked(value, column: str, what: str, accepts, path, where, length: int | 
                          key=where)
     if length is not None and len(value) != length:
         raise InputError(path, f"{column} has {len(value)} entries, expected len(input_ids)-1 = {length}", key=where)
-    kind = getattr(getattr(value, "dtype", None), "kind", "O")
-    if kind not in ARRAY_KINDS[accepts] and not (accepts is _is_bool and kind in "iu"):
+    if getattr(getattr(value, "dtype", None), "kind", "O") not in ARRAY_KINDS[accepts]:  # look at every value
         bad = next(((i, v) for i, v in enumerate(value) if not accepts(v)), None)
         if bad is not None:
             raise InputError(path, f"{column} must hold {what}, found {bad[1]!r} ({type(bad[1]).__name__}) at "
                              f"position {bad[0]}", key=where)
-    elif accepts is _is_bool and kind in "iu":
-        bad = next(((i, v) for i, v in enumerate(value) if v not in (0, 1)), None)
-        if bad is not None:
-            raise InputError(path, f"{column} must hold {what}, found {bad[1]!r} at position {bad[0]}", key=where)
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
 

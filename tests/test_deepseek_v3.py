@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
-from lora_eval import Batch, Engine, InputError, UnsupportedError
+from lora_eval import Engine, InputError, UnsupportedError
 from lora_eval.adapters import load_adapter
 from lora_eval.models import FAMILIES, deepseek_v3, load_model
 from tests.builders import DEEPSEEK_YARN, hf_logprobs, load_hf, random_sequences, save_quantized_copy, \
@@ -36,6 +36,7 @@ from tests.builders import DEEPSEEK_YARN, hf_logprobs, load_hf, random_sequences
 from tests.conftest import CPU
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
     run_one_adapter, varied_sequences
+from tests.test_families import k2, run
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
 VOCAB = 96  # tests/builders.py's tiny vocabulary
@@ -295,12 +296,6 @@ def family_adapters(model_dir, root, seed) -> dict:
     }
 
 
-def run(model_dir, adapters, backend, device, dtype, seqs, tags):
-    model = load_model(model_dir, dtype=dtype, device=device)
-    engine = Engine(model, [load_adapter(p, n, model) for n, p in adapters.items()], backend=backend)
-    return engine.logprobs(Batch(seqs, tags))
-
-
 def test_mixed_batch_rows_match_alone_and_base(checkpoint, base_hf, tmp_path, seed):
     """One batch of all three adapters and base rows: adapter rows as when run alone, base rows the base model's
     bit for bit (torch backend)."""
@@ -438,11 +433,6 @@ def test_triton_backend_matches_torch_in_the_interpreter(checkpoint, tmp_path, s
     assert max_diff(ref, out) < 1e-4
     base = run(model_dir, {}, "triton", "cpu", torch.float32, seqs, [None] * len(seqs))
     assert torch.equal(out[2], base[2])
-
-
-def k2(ref, out) -> float:
-    d = torch.cat([a - b for a, b in zip(ref, out)])
-    return (d * d / 2).mean().item()
 
 
 def abs_diffs(ref, out) -> torch.Tensor:

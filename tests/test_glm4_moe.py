@@ -22,8 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lora_eval import Batch, Engine, InputError, UnsupportedError
-from lora_eval.adapters import load_adapter
+from lora_eval import Engine, InputError, UnsupportedError
 from lora_eval.models import FAMILIES, load_model
 from lora_eval.models.glm4_moe import rotary_dim
 from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_model, \
@@ -32,6 +31,7 @@ from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_m
 from tests.conftest import CPU
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
     run_one_adapter, varied_sequences
+from tests.test_families import k2, run
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
 VOCAB = 96
@@ -287,12 +287,6 @@ def family_adapters(model_dir, root, seed) -> dict:
     }
 
 
-def run(model_dir, adapters, backend, device, dtype, seqs, tags):
-    model = load_model(model_dir, dtype=dtype, device=device)
-    engine = Engine(model, [load_adapter(p, n, model) for n, p in adapters.items()], backend=backend)
-    return engine.logprobs(Batch(seqs, tags))
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the gpu tests run these kernels compiled")
 @pytest.mark.parametrize("case", ["glm4_5", "full_rotary"])
 def test_triton_backend_matches_torch_in_the_interpreter(case, checkpoint, tmp_path, seed):
@@ -316,11 +310,6 @@ def test_rows_without_adapter_equal_base_in_mixed_batches(checkpoint, tmp_path, 
     base = run(model_dir, {}, "torch", "cpu", torch.float32, seqs, [None] * len(seqs))
     for tag, a, b in zip(tags, mixed, base):
         assert torch.equal(a, b) if tag is None else not torch.equal(a, b)
-
-
-def k2(ref, out) -> float:
-    d = torch.cat([a - b for a, b in zip(ref, out)])
-    return (d * d / 2).mean().item()
 
 
 @pytest.mark.gpu

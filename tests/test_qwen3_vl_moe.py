@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextRotaryEmbedding
 
-from lora_eval import Batch, Engine, InputError, UnsupportedError
+from lora_eval import Engine, InputError, UnsupportedError
 from lora_eval.adapters import load_adapter
 from lora_eval.models import FAMILIES, load_model
 from lora_eval.models.layers import rope_cos_sin
@@ -37,6 +37,7 @@ from tests.builders import hf_logprobs, load_hf_model, peft_oracle_any, random_s
 from tests.conftest import CPU
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, our_ranks_and_scalings, \
     peft_ranks_and_scalings, run_one_adapter, varied_sequences
+from tests.test_families import k2, run
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
 VOCAB = 96
@@ -297,12 +298,6 @@ def family_adapters(model_dir, root, seed) -> dict:
     }
 
 
-def run(model_dir, adapters, backend, device, dtype, seqs, tags):
-    model = load_model(model_dir, dtype=dtype, device=device)
-    engine = Engine(model, [load_adapter(p, n, model) for n, p in adapters.items()], backend=backend)
-    return engine.logprobs(Batch(seqs, tags))
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the gpu tests run these kernels compiled")
 def test_triton_backend_matches_torch_in_the_interpreter(checkpoint, tmp_path, seed):
     model_dir = checkpoint("vl")
@@ -312,11 +307,6 @@ def test_triton_backend_matches_torch_in_the_interpreter(checkpoint, tmp_path, s
     ref = run(model_dir, adapters, "torch", "cpu", torch.float32, seqs, tags)
     out = run(model_dir, adapters, "triton", "cpu", torch.float32, seqs, tags)
     assert max((a - b).abs().max().item() for a, b in zip(ref, out)) < 1e-4
-
-
-def k2(ref, out) -> float:
-    d = torch.cat([a - b for a, b in zip(ref, out)])
-    return (d * d / 2).mean().item()
 
 
 @pytest.mark.gpu

@@ -116,6 +116,11 @@ class FusedExperts(nn.Module):
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         self.interleaved_gate_up = interleaved_gate_up
 
+    def variant(self) -> dict:
+        """The fused MoE kernel's (and its reference's) keyword arguments for these experts' biases and activation."""
+        return dict(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias, activation=self.activation,
+                    alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+
 
 def deinterleave_gate_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Alternating gate/up entries along `dim` (gate0, up0, gate1, up1, ...) -> all gate entries, then all up."""
