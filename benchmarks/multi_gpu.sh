@@ -1,52 +1,99 @@
 #!/usr/bin/env bash
-# Data-parallel compare on every GPU of the machine against one GPU, on a checkpoint written to disk (NCCL, one
-# process per GPU). Results go to $OUT: env.txt, one.log / all.log, one/ and all/ run folders' run.json, summary.txt.
+# The multi-GPU runs of issue #27 on every GPU of the machine (NCCL, one process per GPU, NVLink multicast off).
+# Results go to $OUT (env.txt, *.log, *.json run records, summary.txt).
 #   bash benchmarks/multi_gpu.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
-# MULTI_CONFIG, MULTI_LAYERS, MULTI_SAMPLES change the model and the reference (default: Qwen3-30B-A3B, 48 layers,
-# 4096 samples); WORK is where the checkpoint goes (default /tmp/lora-eval-multi). NVLink multicast stays off.
-# EP_LAYERS=N also runs expert parallel on N layers of Qwen3-235B-A22B (see the end of this script).
+# STEPS picks the parts (default "dp ep"):
+#   dp  data parallel: compare and an MMLU subset on a Qwen3-30B-A3B-shaped checkpoint written to disk, on one GPU
+#       and on all of them; speed-up and whether the tables are byte-identical.
+#       DP_LAYERS (48), DP_SAMPLES (1024 reference samples), MMLU_LIMIT (questions per subject, 10), MMLU (the release).
+#   ep  expert parallel: a Qwen3-235B-A22B-shaped checkpoint of EP_LAYERS layers (18: 92 GB in bf16, more than one
+#       H100 holds) written layer by layer, compare and an MMLU subset with --expert-parallel; then the first
+#       EP_AGREE_LAYERS (8) layers of the same checkpoint on one GPU and with --expert-parallel, logprobs side by side.
+# CONFIG_DIR holds the two configs (default benchmarks/configs); WRITE_ARGS and DEVICE_ARGS go to write_checkpoint.py
+# and to every lora-eval command (a dry run on the CPU: fake nvidia-smi, tiny configs, "--device cpu").
+# WORK is where the checkpoints go (default /tmp/lora-eval-multi; the dp checkpoint is removed before ep's).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 WORK=${WORK:-/tmp/lora-eval-multi}
+MMLU=${MMLU:-.mmlu-data}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 CI=true NCCL_NVLS_ENABLE=0
 GPUS=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-  date -u; git rev-parse --short HEAD 2>/dev/null; echo "$GPUS GPUs"; } 2>&1 | tee "$OUT/env.txt"
-source benchmarks/gpu_setup.sh
-[ -f "$WORK/reference.parquet" ] || python3 benchmarks/write_checkpoint.py --config "${MULTI_CONFIG:-benchmarks/configs/Qwen3-30B-A3B.json}" \
-    ${MULTI_LAYERS:+--layers $MULTI_LAYERS} --samples "${MULTI_SAMPLES:-4096}" --out "$WORK" 2>&1 | tail -n 3
-ARGS=(compare --model "$WORK/model" --adapter "adapter=$WORK/peft/adapter" --reference "$WORK/reference.parquet"
-      --batch-tokens 4096 --quiet --overwrite)
-CUDA_VISIBLE_DEVICES=0 lora-eval "${ARGS[@]}" --out "$WORK/one" 2>&1 | tee "$OUT/one.log" | tail -n 3
-torchrun --standalone --nproc-per-node "$GPUS" --no-python lora-eval "${ARGS[@]}" --out "$WORK/all" 2>&1 \
-    | tee "$OUT/all.log" | tail -n 3
-cp "$WORK/one/run.json" "$OUT/one.json"; cp "$WORK/all/run.json" "$OUT/all.json"
-python3 - "$WORK" "$GPUS" <<'PY' | tee "$OUT/summary.txt"
-import json, sys
-from pathlib import Path
-work, gpus = Path(sys.argv[1]), int(sys.argv[2])
-one, all_ = (json.loads((work / n / "run.json").read_text()) for n in ("one", "all"))
-for name, run in (("1 GPU", one), (f"{gpus} GPUs", all_)):
-    t = run["timings"]
-    print(f"{name}: forward {t['forward_s']:.1f} s, whole {t['total_s']:.1f} s, {run['tokens_per_s']:,.0f} tokens/s "
-          f"(phases: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()) + ")")
-print(f"speed-up of the forward phase: {one['timings']['forward_s'] / all_['timings']['forward_s']:.2f}x on {gpus} GPUs")
-same = all((work / "one" / f).read_bytes() == (work / "all" / f).read_bytes()
-           for f in ("summary.csv", "samples.csv", "tokens.parquet"))
-print("tables byte-identical to one GPU:", same)
-PY
+  date -u; echo "$GPUS GPUs"; df -h /tmp | tail -n 1; free -g | head -n 2; } 2>&1 | tee "$OUT/env.txt"
+TORCHRUN=(torchrun --standalone --nproc-per-node "$GPUS" --no-python lora-eval)
+MMLU_ARGS=(--data "$MMLU" --limit "${MMLU_LIMIT:-10}" --quiet --overwrite ${DEVICE_ARGS:-})
 
-# Expert parallel on a model that does not fit one GPU: a random-weight Qwen3-235B-A22B cut to EP_LAYERS layers
-# (default 24: 115 GB in bf16, built on the CPU), written to disk, compared over every GPU with --expert-parallel.
-if [ -n "${EP_LAYERS:-}" ]; then
-  EPWORK=${EPWORK:-/tmp/lora-eval-ep}
-  [ -f "$EPWORK/reference.parquet" ] || python3 benchmarks/write_checkpoint.py --config benchmarks/configs/Qwen3-235B-A22B.json \
-      --layers "$EP_LAYERS" --samples "${EP_SAMPLES:-512}" --device cpu --out "$EPWORK" 2>&1 | tail -n 3
-  lora-eval plan --model "$EPWORK/model" --adapter "adapter=$EPWORK/peft/adapter" --gpus "$GPUS" | tee "$OUT/ep_plan.txt"
-  torchrun --standalone --nproc-per-node "$GPUS" --no-python lora-eval compare --model "$EPWORK/model" \
-      --adapter "adapter=$EPWORK/peft/adapter" --reference "$EPWORK/reference.parquet" --expert-parallel --quiet \
-      --overwrite --out "$EPWORK/run" 2>&1 | tee "$OUT/ep.log" | tail -n 3
-  cp "$EPWORK/run/run.json" "$OUT/ep.json"
+side_by_side() {  # $1 $2: two run folders; the engine's logprobs of their tokens.parquet side by side
+python3 - "$1" "$2" <<'PY'
+import sys
+import pandas as pd
+a, b = (pd.read_parquet(f"{d}/tokens.parquet") for d in sys.argv[1:3])
+d = (a["engine"] - b["engine"]).abs()
+print(f"{sys.argv[1]} vs {sys.argv[2]}: {len(d)} tokens, max |d| {d.max():.3g}, mean |d| {d.mean():.3g}, "
+      f"identical {bool((d == 0).all())}")
+PY
+}
+
+timings() {  # $1: label, $2: run folder
+python3 - "$1" "$2" <<'PY'
+import json, sys
+run = json.load(open(f"{sys.argv[2]}/run.json"))
+t, w = run["timings"], run.get("work", {})
+ranks = w.get("ranks") or [w]
+print(f"{sys.argv[1]}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()) +
+      f"; {run.get('tokens_per_s', 0):,.0f} tokens/s, {run.get('questions_per_s', 0):,.1f} questions/s; peak device MiB per rank {[r.get('peak_device_mb') for r in ranks]}"
+      f"; peak host MiB per rank {[r.get('peak_rss_mb') for r in ranks]}")
+PY
+}
+
+if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
+  DP=$WORK/dp
+  [ -f "$DP/reference.parquet" ] || timeout 400 python3 benchmarks/write_checkpoint.py \
+      --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-30B-A3B.json" ${WRITE_ARGS:-} --layers "${DP_LAYERS:-48}" --samples "${DP_SAMPLES:-1024}" \
+      --tokenizer-from "$MMLU" --out "$DP" 2>&1 | tail -n 2 | tee "$OUT/dp_write.log"
+  ARGS=(compare --model "$DP/model" --adapter "adapter=$DP/peft/adapter" --reference "$DP/reference.parquet"
+        --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-})
+  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]}" --out "$DP/one" > "$OUT/dp_one.log" 2>&1
+  timeout 300 "${TORCHRUN[@]}" "${ARGS[@]}" --out "$DP/all" > "$OUT/dp_all.log" 2>&1
+  M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}")
+  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$OUT/dp_mmlu_one.log" 2>&1
+  timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$OUT/dp_mmlu_all.log" 2>&1
+  for r in one all mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$OUT/dp_$r.json" 2>/dev/null; done
+  { timings "compare 1 GPU" "$DP/one"; timings "compare $GPUS GPUs" "$DP/all"
+    timings "mmlu 1 GPU" "$DP/mmlu_one"; timings "mmlu $GPUS GPUs" "$DP/mmlu_all"
+    for f in summary.csv samples.csv tokens.parquet; do
+      cmp -s "$DP/one/$f" "$DP/all/$f" && echo "compare $f byte-identical" || echo "compare $f differs"; done
+    for f in "$DP"/mmlu_one/*.csv; do
+      cmp -s "$f" "$DP/mmlu_all/$(basename "$f")" && echo "mmlu $(basename "$f") byte-identical" \
+        || echo "mmlu $(basename "$f") differs"; done
+    side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$OUT/dp_summary.txt"
+  rm -rf "$DP"
+fi
+
+if [[ " ${STEPS:-dp ep} " == *" ep "* ]]; then
+  EP=$WORK/ep
+  AGREE=${EP_AGREE_LAYERS:-8}
+  [ -f "$EP/reference.parquet" ] || timeout 500 python3 benchmarks/write_checkpoint.py --streamed \
+      --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-235B-A22B.json" ${WRITE_ARGS:-} --layers "${EP_LAYERS:-18}" --samples "${EP_SAMPLES:-256}" \
+      --tokenizer-from "$MMLU" --out "$EP" 2>&1 | tail -n 2 | tee "$OUT/ep_write.log"
+  du -sh "$EP/model" | tee -a "$OUT/ep_write.log"
+  python3 benchmarks/write_checkpoint.py --first-layers-of "$EP" --layers "$AGREE" --out "$EP/first" >> "$OUT/ep_write.log"
+  timeout 60 lora-eval plan --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --gpus "$GPUS" > "$OUT/ep_plan.txt" 2>&1
+  ARGS=(compare --reference "$EP/reference.parquet" --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-})
+  timeout 400 "${TORCHRUN[@]}" "${ARGS[@]}" --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --expert-parallel \
+      --out "$EP/run" > "$OUT/ep.log" 2>&1
+  timeout 300 "${TORCHRUN[@]}" mmlu --model "$EP/model" --adapter "adapter=$EP/peft/adapter" "${MMLU_ARGS[@]}" \
+      --expert-parallel --out "$EP/mmlu" > "$OUT/ep_mmlu.log" 2>&1
+  FIRST=(--model "$EP/first/model" --adapter "adapter=$EP/first/peft/adapter")
+  CUDA_VISIBLE_DEVICES=0 timeout 200 lora-eval "${ARGS[@]}" "${FIRST[@]}" --out "$EP/first_one" \
+      > "$OUT/ep_first_one.log" 2>&1
+  timeout 200 "${TORCHRUN[@]}" "${ARGS[@]}" "${FIRST[@]}" --expert-parallel --out "$EP/first_ep" \
+      > "$OUT/ep_first_ep.log" 2>&1
+  for r in run mmlu first_one first_ep; do cp "$EP/$r/run.json" "$OUT/ep_$r.json" 2>/dev/null; done
+  { timings "EP compare, ${EP_LAYERS:-18} layers, $GPUS GPUs" "$EP/run"
+    timings "EP mmlu, ${EP_LAYERS:-18} layers, $GPUS GPUs" "$EP/mmlu"
+    timings "first $AGREE layers, 1 GPU" "$EP/first_one"; timings "first $AGREE layers, EP" "$EP/first_ep"
+    side_by_side "$EP/first_one" "$EP/first_ep"; } 2>&1 | tee "$OUT/ep_summary.txt"
 fi

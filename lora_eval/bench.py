@@ -48,7 +48,8 @@ from .trainer import quiet_libraries
 
 TARGETS = ("all", "attn", "experts")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+# expert stacks and routers named in target_parameters (those the model has: gpt-oss calls its router mlp.router)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight", "mlp.router.weight"]
 ADAPTER_STRENGTH = 0.2  # RMS of a LoRA delta relative to the RMS of the weight it adapts
 
 
@@ -121,7 +122,7 @@ def randomise_weights(model, seed: int) -> None:
             param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
 
 
-def peft_config(targets: str, rank: int, explicit: bool = False):
+def peft_config(targets: str, rank: int, explicit: tuple[str, ...] = ()):
     """The LoraConfig of `targets`. PEFT resolves "all-linear" and the MLP names to its own expert
     target_parameters (gate_up at rank 2r: gate and up are each a rank-r projection); `explicit` names the
     expert parameters directly (one rank-r gate_up), the fallback for PEFT versions that do not."""
@@ -131,7 +132,7 @@ def peft_config(targets: str, rank: int, explicit: bool = False):
         return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION)
     if explicit:
         return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION if targets == "all" else [],
-                          target_parameters=EXPERT_PARAMETERS)
+                          target_parameters=list(explicit))
     if targets == "all":
         return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
     return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["gate_proj", "up_proj", "down_proj", "gate"])
@@ -145,10 +146,10 @@ def make_peft_adapters(hf_model, names: list[str], rank: int, targets: str, seed
 
     wants_experts = targets != "attn" and any(name.endswith("experts.gate_up_proj")
                                               for name, _ in hf_model.named_parameters())
-    explicit, note = False, ""
+    explicit, note = (), ""
     model = get_peft_model(hf_model, peft_config(targets, rank), adapter_name=names[0], autocast_adapter_dtype=False)
     if wants_experts and not _wrapped_experts(model):  # this PEFT left the experts alone: name their parameters
-        explicit = True
+        explicit = tuple(p for p in EXPERT_PARAMETERS if any(name.endswith(p) for name, _ in hf_model.named_parameters()))
         note = f"PEFT {peft_version} did not resolve the experts from target_modules; the adapters name them in " \
                "target_parameters (gate_up at rank r)"
         try:

@@ -42,6 +42,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from .distributed import PeerFailed, Ranks, assign, together
 from .errors import EXIT_INTERNAL, InputError, Interrupted
@@ -524,6 +525,13 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def peak_memory() -> dict:
+    """This process's peak host memory and, where it used a GPU, the peak of torch's allocations on its device
+    (MiB; None without CUDA): the figures a run record keeps."""
+    device = round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_initialized() else None
+    return dict(peak_rss_mb=peak_rss_mb(), peak_device_mb=device)
+
+
 def read_parts(parts_dir: Path, notice) -> dict[int, pd.DataFrame]:
     """unit -> its rows, from every part a run left. A part that cannot be read (the disk lost it) is dropped
     with a notice: its units are computed again."""
@@ -593,7 +601,7 @@ class Work:
             self.ranks.mark_failed()
         self.ranks.exchange(error)
         self.per_rank = self.ranks.gather(dict(computed=self.computed, parts_s=round(self.parts_s, 4),
-                                               peak_rss_mb=peak_rss_mb()))
+                                               **peak_memory()))
 
     def _ask_stop(self, signum, frame) -> None:
         if self._stop is not None:  # a second signal: stop now (the finished parts are on disk)
@@ -665,10 +673,10 @@ class Work:
 
     def stats(self) -> dict:
         """For the run record: units, those done before this run, the amount (e.g. tokens) this run computed, the
-        time spent writing parts and the process's peak host memory (under data parallel: the first two summed over
-        the ranks, each rank's figures beside)."""
+        time spent writing parts and the process's peak host and device memory (under data parallel: the first two
+        summed over the ranks, each rank's figures beside)."""
         stats = dict(units=len(self.weights), resumed_units=self.resumed_units, computed=self.computed,
-                     parts_s=round(self.parts_s, 4), peak_rss_mb=peak_rss_mb())
+                     parts_s=round(self.parts_s, 4), **peak_memory())
         if self.per_rank is not None:
             stats.update(computed=sum(r["computed"] for r in self.per_rank),
                          parts_s=round(sum(r["parts_s"] for r in self.per_rank), 4), ranks=self.per_rank)
