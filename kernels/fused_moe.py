@@ -761,6 +761,10 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
     MoeConfig (pick_config's by default). `lora_meta`: the batch's rows grouped by slot (dense_lora.lora_metadata
     of token_slots), computed here when not given. `residual` [T, H]: returns residual + the layer's output,
     added inside the sum over k (moe_sum)."""
+    # the kernels read these by flat index: a strided view (a column of a wider tensor, as expert parallel's received
+    # (expert, slot) pairs are) would be misread, out of bounds; contiguous() is the tensor itself when it already is
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    token_slots = token_slots.contiguous() if token_slots is not None else None
     T, k = topk_ids.shape
     E, H, I = w_down.shape
     config = config or pick_config(T, k, E, x.dtype)

@@ -142,7 +142,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     NB = min(E, P) + -(-P // block_m)
     BLOCK_E, BLOCK_S = triton.next_power_of_2(E), triton.next_power_of_2(NS)
     grid = max(triton.cdiv(P, ALIGN_BLOCK), triton.cdiv(NB, ALIGN_BLOCKS))
-    ids = topk_ids.reshape(-1)  # [P]
+    ids = topk_ids.reshape(-1).contiguous()  # [P]: the kernels read it by flat index
+    token_slots = token_slots.contiguous() if has_slots else None
     slots = token_slots if has_slots else ids
     counts = torch.zeros(E * NS, dtype=torch.int32, device=device)  # [E, NS]
     rank = torch.empty(P, dtype=torch.int32, device=device)  # [P]

@@ -149,7 +149,8 @@ def make_peft_adapters(hf_model, names: list[str], rank: int, targets: str, seed
     explicit, note = (), ""
     model = get_peft_model(hf_model, peft_config(targets, rank), adapter_name=names[0], autocast_adapter_dtype=False)
     if wants_experts and not _wrapped_experts(model):  # this PEFT left the experts alone: name their parameters
-        explicit = tuple(p for p in EXPERT_PARAMETERS if any(name.endswith(p) for name, _ in hf_model.named_parameters()))
+        names = [name for name, _ in hf_model.named_parameters()]
+        explicit = tuple(p for p in EXPERT_PARAMETERS if any(name.endswith(p) for name in names))
         note = f"PEFT {peft_version} did not resolve the experts from target_modules; the adapters name them in " \
                "target_parameters (gate_up at rank r)"
         try:

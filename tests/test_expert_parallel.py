@@ -2,7 +2,7 @@
 
 1. every MoE family, with PEFT all-linear adapters and (on Qwen3-MoE) every hand-written expert layout, mixed adapter
    and base rows: logprobs of 2 and 4 processes, each holding its share of the experts, within 1e-5 of one process
-   in float32 (an uneven split: 6 experts over 4 ranks);
+   in float32 (an uneven split: 6 experts over 4 ranks); and the GPU's Triton path (in the interpreter) the same;
 2. `torchrun ... lora-eval compare --expert-parallel` on the demo: the same within 1e-5; without torchrun it is
    refused by name;
 3. a rank reads only its experts: each rank's peak host memory, measured, below what the whole model takes;
@@ -65,13 +65,14 @@ def _rows(names: list[str], seed: int):
     return seqs, [([None] + names)[i % (len(names) + 1)] for i in range(len(seqs))]
 
 
-def _ep_worker(rank: int, world: int, init: str, cases, seed: int, results):
+def _ep_worker(rank: int, world: int, init: str, cases, seed: int, results, backend: str | None = None):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         for name, model, adapters in cases:
-            engine = Engine.load(model, adapters, EngineOptions(device="cpu", dtype="float32", expert_parallel=True))
+            options = EngineOptions(device="cpu", dtype="float32", backend=backend, expert_parallel=True)
+            engine = Engine.load(model, adapters, options)
             seqs, tags = _rows(list(adapters), seed)
             mine = list(range(rank, len(seqs), world))  # rows of this rank; every rank runs one batch per case
             out = engine.logprobs(Batch([seqs[i] for i in mine], [tags[i] for i in mine]))
@@ -93,6 +94,21 @@ def test_every_family_and_layout_matches_one_process(cases, world, tmp_path, see
         base = Engine.load(model, None, CPU).logprobs(Batch(seqs, [None] * len(seqs)))
         moved = max((whole[i] - base[i]).abs().max().item() for i in range(len(seqs)) if tags[i] is not None)
         assert moved > 1e-3, (name, "the adapters must matter, or agreeing proves nothing")
+
+
+def test_the_triton_path_matches_one_process(cases, tmp_path, seed):
+    """The GPU's path through the Triton interpreter, 2 ranks, Qwen3-MoE with a PEFT adapter and the hand-written
+    layouts of shared factors: each rank's experts run the fused MoE kernels on the pairs it received (whose expert
+    ids and slots arrive as columns of one tensor; read as if contiguous they once crashed a GPU run)."""
+    chosen = [case for case in cases if case[0] == "qwen3_moe"]
+    results = mp.Manager().dict()
+    mp.spawn(_ep_worker, args=(2, f"file://{tmp_path / 'init'}", chosen, seed, results, "triton"), nprocs=2)
+    for name, model, adapters in chosen:
+        seqs, tags = _rows(list(adapters), seed)
+        whole = Engine.load(model, adapters, CPU).logprobs(Batch(seqs, tags))
+        spread = {i: lp for r in range(2) for i, lp in results[(name, r)].items()}
+        worst = max((torch.tensor(spread[i]) - whole[i]).abs().max().item() for i in range(len(seqs)))
+        assert worst <= TOL, (name, worst)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

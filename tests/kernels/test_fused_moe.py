@@ -260,6 +260,29 @@ def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_sl
     torch.testing.assert_close(out[no_delta], base[no_delta], rtol=tol, atol=tol)
 
 
+def test_fused_moe_reads_strided_routing_inputs(seed):
+    """Expert ids, weights and slots given as columns of wider tensors (expert parallel receives (expert, slot)
+    pairs as one [n, 2] tensor): the same output as from contiguous copies, and the reference's. The kernels read
+    these by flat index, so a strided view once read slots as expert ids, out of bounds (a GPU run crashed)."""
+    g = torch.Generator().manual_seed(seed)
+    T, E, H, I, S, R = 40, 4, 32, 16, 2, 8
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids = torch.randint(0, E, (T, 1), generator=g)
+    slots = torch.randint(-1, S, (T,), generator=g)
+    items = torch.stack([ids[:, 0], slots], 1).to(DEVICE)  # [T, 2]: the layout expert parallel sends
+    weights = torch.rand(T, 2, generator=g).to(DEVICE)[:, :1]  # [T, 1], stride 2
+    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE)
+    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE)
+    lora = expert_lora(S, E, H, I, R, g, torch.float32, shared_outer=False)
+    strided = fused_moe(x, items[:, :1], weights, w_gu, w_d, lora, items[:, 1], config=LAYOUTS["ptr"])
+    assert not items[:, :1].is_contiguous() and not items[:, 1].is_contiguous()
+    dense = fused_moe(x, items[:, :1].contiguous(), weights.contiguous(), w_gu, w_d, lora, items[:, 1].contiguous(),
+                      config=LAYOUTS["ptr"])
+    ref = fused_moe_ref(x, ids.to(DEVICE), weights, w_gu, w_d, _float(lora), slots.to(DEVICE))
+    assert torch.equal(strided, dense)
+    assert rel_err(strided, ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype,tol", INTERPRETER_DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fused_moe_biases_and_clamped_swiglu(seed, dtype, tol, layout):
