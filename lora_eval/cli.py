@@ -16,6 +16,8 @@ import torch
 from .bench import bench
 from .compare import compare
 from .demo import run_demo
+from .diagnose import diagnose
+from .diagnose_report import diagnose_summary
 from .engine import DTYPES, EngineOptions
 from .distributed import PeerFailed
 from .errors import EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD, InputError, Interrupted
@@ -230,22 +232,30 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
               help="Padded tokens per forward batch.")
 @click.option("--max-k2", default=5e-3, type=Threshold(), show_default=True, help="Fail when k2 exceeds this.")
 @click.option("--max-mean-abs-diff", default=None, type=Threshold(), help="Fail when mean |d| exceeds this.")
+@click.option("--max-k2-over-floor", default=None, type=Threshold(), metavar="X",
+              help="Fail a row whose k2 exceeds X times the sampler's noise floor: k2 of ref - sampler over the "
+                   "references' base rows (off when they carry no sampler logprobs).")
+@click.option("--no-adapter-check", is_flag=True,
+              help="Skip the adapter applied gate (which fails an adapter whose files or logprobs show it changes "
+                   "nothing), e.g. for an adapter that is meant to be the identity.")
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
-              help="Also write JUnit XML here: one testcase per adapter x threshold.")
+              help="Also write JUnit XML here: one testcase per adapter x threshold or gate.")
 @device_options
 @graph_options
 @run_options
-def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, junit_path, device,
-                dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, expert_parallel, overwrite,
-                quiet):
-    """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed. A run into a folder
-    that holds this very run prints its summary; a killed run resumes where it stopped."""
+def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
+                no_adapter_check, junit_path, device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets,
+                max_graph_memory, expert_parallel, overwrite, quiet):
+    """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed or a gate fails (an
+    adapter that changes nothing). A run into a folder that holds this very run prints its summary; a killed run
+    resumes where it stopped."""
     check_out(junit_path, "--junit", single_file=True)
     options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
                              expert_parallel)
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                      options=options, batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
-                     quiet=quiet, overwrite=overwrite, notice=notice)
+                     max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
+                     overwrite=overwrite, notice=notice)
     _finish(result, out, junit_path)
 
 
@@ -381,12 +391,52 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
         click.echo(f"wrote {out_path}")
 
 
+@cli.command(name="diagnose", epilog=epilog(
+    "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/why",
+    "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/merged "
+    "--against-model MERGED_MODEL",
+    "lora-eval diagnose --model MODEL --reference ref.parquet --out runs/bf16 --dtype bfloat16 --samples 4 "
+    "--layer-by-layer"))
+@model_and_adapters
+@click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
+              help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")
+@click.option("--out", required=True, type=click.Path(), help="Run folder to write (its parent must exist).")
+@click.option("--samples", default=8, type=click.IntRange(min=1), show_default=True,
+              help="Per adapter (and base): the samples with the largest k2 against the reference.")
+@click.option("--against-model", default=None, type=click.Path(),
+              help="Side B: this checkpoint (same architecture, e.g. an adapter merged into the weights), run "
+              "without adapters for every row. Default: the --model checkpoint with the adapters.")
+@click.option("--against-dtype", default="float32", type=click.Choice(list(DTYPES)), show_default=True,
+              help="Side B's dtype (side B runs on the plain-torch backend).")
+@click.option("--layer-by-layer", is_flag=True,
+              help="Run side B one decoder layer at a time on the engine's input to that layer (the default when "
+              "both sides do not fit the device together).")
+@click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
+              help="Padded tokens per batch of the pass that picks the samples.")
+@device_options
+@run_options
+def diagnose_cmd(model_dir, adapters, references, out, samples, against_model, against_dtype, layer_by_layer,
+                 batch_tokens, device, dtype, gate_up_layout, overwrite, quiet):
+    """Where the engine parts from a reference computation, layer by layer: per layer the error of attention, router
+    (and its top-k flips), routed experts and residual stream on the samples with the largest k2, each adapter's
+    effect per module, and the first divergent layer per adapter (layers.csv, modules.csv, diagnose.json,
+    diagnose.md, diagnose.html)."""
+    result = diagnose(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
+                      options=engine_options(device, dtype, gate_up_layout), samples=samples,
+                      against_model=against_model, against_dtype=against_dtype, layer_by_layer=layer_by_layer,
+                      batch_tokens=batch_tokens, quiet=quiet, overwrite=overwrite, notice=notice)
+    if speaks():
+        click.echo(diagnose_summary(result))
+        click.echo(f"report: {out}/diagnose.html (markdown: {out}/diagnose.md)")
+    sys.exit(result.exit_code)
+
+
 def _finish(result, out, junit_path) -> None:
     """The summary, phase times and where the reports are; JUnit XML if asked; the exit code of the result."""
     if not speaks():
         sys.exit(result.exit_code)
     if junit_path:
-        xml = compare_junit(result.summary, result.run) if isinstance(result, CompareResult) else \
+        xml = compare_junit(result.summary, result.run, result.gates) if isinstance(result, CompareResult) else \
             mmlu_junit(result.summary, result.run)
         atomic_write(Path(junit_path), xml.encode("utf-8"))
     click.echo(summary_text(result))

@@ -2,44 +2,57 @@
 
 A thin layer over `Engine.logprobs`: read and check the references (before any model is loaded), batch them by
 length under a token budget (adapters mixed in a batch), run the batches as resumable units of a run folder, and
-turn the differences into the metrics of `metrics.py`.
+turn the differences into the metrics of `metrics.py`. The adapter applied gate's base re-runs of a sample of each
+adapter's rows are further units of the same work, so they are checkpointed, resumed and shared out over data
+parallel ranks like the batches; its static facts come from the adapters' factors, read before the model loads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 
+from .adapters import Adapter
 from .batching import make_batches, padding_waste
 from .distributed import Ranks, together
 from .engine import Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
-from .metrics import check_thresholds, group_metrics
+from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
 from .names import BASE, OVERALL
 from .plan import check_fits
 from .references import read_reference
 from .report import report_files
-from .results import COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, read_run, table_files
+from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, no_gates, read_run,
+                      table_files)
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
 from .tokenizer import load_tokenizer
 
 CONTEXT_TOKENS = 12  # tokens of context shown before a worst token
+# The adapter applied gate runs at most this many rows / tokens of each adapter again under the base model: a few
+# percent of a run of a few hundred rows, a fraction of a percent of a real one.
+GATE_ROWS = 8
+GATE_TOKENS = 4096
 
 
 def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             references: list | tuple = (), *, out: str | Path | None = None, options: EngineOptions | None = None,
             batch_tokens: int = 4096, max_k2: float | None = 5e-3, max_mean_abs_diff: float | None = None,
-            quiet: bool = False, overwrite: bool = False, engine: Engine | None = None,
-            notice=print) -> CompareResult:
+            max_k2_over_floor: float | None = None, check_adapters: bool = True, quiet: bool = False,
+            overwrite: bool = False, engine: Engine | None = None, notice=print) -> CompareResult:
     """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write) the
-    summary, per-sample and per-token tables. `references` holds paths or (adapter name, path) pairs. With `out`,
-    the run is a run folder (runfolder.py): a complete run of the same inputs there is returned as saved, without
-    recomputing; a partial one is resumed; another run there is refused unless `overwrite`. `engine`: an engine
-    already built (its adapters replace `adapters`; `model` then supplies config and tokenizer)."""
+    summary, per-sample and per-token tables and the gates. `references` holds paths or (adapter name, path) pairs.
+    With `out`, the run is a run folder (runfolder.py): a complete run of the same inputs there is returned as saved,
+    without recomputing; a partial one is resumed; another run there is refused unless `overwrite`. `engine`: an
+    engine already built (its adapters replace `adapters`; `model` then supplies config and tokenizer).
+    Gates: `check_adapters` fails an adapter that changes nothing (its files, then a sample of its rows run again
+    under the base model); `max_k2_over_floor` fails a row whose k2 exceeds that many times the sampler's noise
+    floor in the references (off when they carry no sampler logprobs)."""
     t_start = time.perf_counter()
     ranks = Ranks.from_env()
     with together(ranks):  # every rank checks the same inputs; one line says what is wrong
@@ -47,13 +60,17 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
         max_k2 = threshold(max_k2, "--max-k2")
         max_mean_abs_diff = threshold(max_mean_abs_diff, "--max-mean-abs-diff")
+        max_k2_over_floor = threshold(max_k2_over_floor, "--max-k2-over-floor")
+        if not isinstance(check_adapters, bool):
+            raise InputError("check_adapters", f"expected True or False, found {check_adapters!r}")
         batch_tokens = positive_int(batch_tokens, "--batch-tokens")
         if not references:
             raise InputError("--reference", "at least one reference dump is needed")
         out = check_out(out)
         arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                          references=[_ref_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
-                         max_mean_abs_diff=max_mean_abs_diff)
+                         max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
+                         check_adapters=check_adapters)
         timings = {}
         t0 = time.perf_counter()
         refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
@@ -61,11 +78,21 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             check_fits(model, adapters, options.device, options.dtype, batch_tokens,
                        ranks.world if ranks and options.expert_parallel else 1)
         parsed = None if engine is not None else read_adapters(model, adapters, options)
+        static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
         lengths = [len(ids) for ids in refs["input_ids"]]
         batches = make_batches(lengths, batch_tokens)
+        # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)
+        sampled = gate_sample(refs, list(adapters)) if check_adapters else {}
+        gate_rows = [i for rows in sampled.values() for i in rows]
+        gate_batches = [[gate_rows[j] for j in b] for b in make_batches([lengths[i] for i in gate_rows],
+                                                                           batch_tokens)]
+        units = batches + gate_batches
         timings["read_s"] = time.perf_counter() - t0
         task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
-                            max_mean_abs_diff=max_mean_abs_diff, engine="given" if engine is not None else "loaded")
+                            max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
+                            adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
+                            if check_adapters else None,
+                            engine="given" if engine is not None else "loaded")
         files = {**model_files(model), **adapter_files(adapters),
                  **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
                     for i, r in enumerate(references)}}
@@ -78,49 +105,107 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         timings["load_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        with folder.work([sum(lengths[i] for i in b) for b in batches], "compare", "tok", quiet,
+        with folder.work([sum(lengths[i] for i in b) for b in units], "compare", "tok", quiet,
                          lockstep=options.expert_parallel) as work:
-            for b in work.steps(range(len(batches))):
-                if b is None:
+            for u in work.steps(range(len(units))):
+                if u is None:
                     engine.stand_in()
                     continue
-                rows = refs.iloc[batches[b]]
-                tags = [a if isinstance(a, str) else None for a in rows["adapter"]]
+                rows = refs.iloc[units[u]]
+                tags = [a if isinstance(a, str) and u < len(batches) else None for a in rows["adapter"]]
                 logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags))
-                work.record(b, pd.DataFrame(dict(sample=batches[b], logprobs=[lp.numpy() for lp in logprobs])))
+                work.record(u, pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs])))
         timings["forward_s"] = time.perf_counter() - t0
 
         def merge(frames: dict[int, pd.DataFrame]) -> CompareResult:
-            engine_lp = [None] * len(refs)
-            for frame in frames.values():
+            engine_lp, base_lp = [None] * len(refs), {}  # base_lp: the gate's base re-runs, by sample
+            for u, frame in frames.items():
                 for i, lp in zip(frame["sample"], frame["logprobs"]):
-                    engine_lp[i] = np.asarray(lp, dtype=np.float32)
+                    if u < len(batches):
+                        engine_lp[i] = np.asarray(lp, dtype=np.float32)
+                    else:
+                        base_lp[int(i)] = np.asarray(lp, dtype=np.float32)
             t0 = time.perf_counter()
             tokens = _token_table(refs, engine_lp)
             samples = group_metrics(tokens, ["adapter", "sample_id"])
             per_adapter = group_metrics(tokens, ["adapter"])
             overall = group_metrics(tokens, []).assign(adapter=OVERALL)
-            summary = check_thresholds(pd.concat([per_adapter, overall], ignore_index=True), max_k2,
-                                       max_mean_abs_diff)
+            floor = sampler_floor(tokens)
+            eps = float(torch.finfo(next(engine.model.parameters()).dtype).eps)  # of the compute dtype
+            gates = applied_gate(list(adapters), static, {a: [(engine_lp[i], base_lp[i]) for i in rows]
+                                                          for a, rows in sampled.items()}, eps) \
+                if check_adapters else no_gates()
+            summary = check_thresholds(with_floor(pd.concat([per_adapter, overall], ignore_index=True),
+                                                  floor["k2_floor"]),
+                                       max_k2, max_mean_abs_diff, max_k2_over_floor, gates)
             summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns
                                                          if c not in COMPARE_SUMMARY_COLUMNS]]
             tokenizer = load_tokenizer(model)
             worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
             timings["metrics_s"] = time.perf_counter() - t0
             timings["total_s"] = time.perf_counter() - t_start
+            gate_record = dict(
+                adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS,
+                                   eps=eps, batches=len(gate_batches), rows=len(gate_rows),
+                                   tokens=sum(lengths[i] for i in gate_rows)) if check_adapters else None,
+                k2_over_floor=dict(floor, limit=max_k2_over_floor))
             run = folder.run_record(
                 arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
                                                    ranks=ranks.world if ranks else 1),
                 timings=timings, work=work.stats(), batches=len(batches), padding_waste=padding_waste(lengths, batches),
-                tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9),
+                tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9), gates=gate_record,
                 quantization=engine.model.args.quantization, tokenizer=str(model) if tokenizer else None,
                 cuda_graphs=engine.graph_stats())
-            result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run)
+            result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run, gates=gates)
             result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
             folder.commit({**table_files(result), **report_files(result)}, result.run)
             return result
 
         return folder.finish(work, merge, lambda: read_run(out))
+
+
+# ---- the adapter applied gate -----------------------------------------------------------------------------
+
+
+def unchanged_adapters(adapters: list[Adapter]) -> dict[str, str]:
+    """Adapters whose files already show that they change nothing in this model (name -> why): no LoRA weight of
+    theirs applies to a module of it (every key skipped, or `layers_to_transform` leaving none), or every LoRA delta
+    is zero (lora_B all zero, scaling folded in; or a zero lora_A beside each nonzero B) and they save no module.
+    Checked on the factors read before the model loads: cheap."""
+    found = {}
+    for adapter in adapters:
+        experts = [part for factors in adapter.experts.values() for part in (factors.gate_up, factors.down)
+                   if part is not None]
+        pairs = list(adapter.dense.values()) + list(adapter.embedding.values()) + experts
+        if not pairs and not adapter.overrides:
+            skipped = f" ({len(adapter.skipped)} keys for modules this model leaves out)" if adapter.skipped else ""
+            found[adapter.name] = f"matched no module of this model: none of its LoRA weights applies{skipped}"
+        elif adapter.overrides:
+            continue  # modules_to_save copies may change the model: the logprobs decide
+        elif not any(bool(B.any()) for _, B in pairs):
+            found[adapter.name] = "every lora_B is zero"
+        elif not any(bool(A.any()) and bool(B.any()) for A, B in pairs):
+            found[adapter.name] = "every LoRA pair has a zero factor (lora_A or lora_B)"
+    return found
+
+
+def gate_sample(refs: pd.DataFrame, adapters: list[str], max_rows: int = GATE_ROWS,
+                max_tokens: int = GATE_TOKENS) -> dict[str, list[int]]:
+    """Per adapter, the reference rows (indices) the adapter applied gate runs again under the base model: in the
+    order of sha256(sample_id) (fixed by the ids alone, spread over the files), at most `max_rows` rows of at most
+    `max_tokens` tokens together; where every row is longer than that, its shortest row alone."""
+    order = sorted(range(len(refs)), key=lambda i: hashlib.sha256(refs["sample_id"].iat[i].encode()).hexdigest())
+    chosen, used = {a: [] for a in adapters}, dict.fromkeys(adapters, 0)
+    for i in order:
+        adapter, n = refs["adapter"].iat[i], len(refs["input_ids"].iat[i])
+        if adapter in chosen and len(chosen[adapter]) < max_rows and used[adapter] + n <= max_tokens:
+            chosen[adapter].append(i)
+            used[adapter] += n
+    for adapter, rows in chosen.items():
+        if not rows:
+            own = [i for i in order if refs["adapter"].iat[i] == adapter]
+            rows += [min(own, key=lambda i: len(refs["input_ids"].iat[i]))] if own else []
+    return {a: sorted(rows) for a, rows in chosen.items() if rows}
 
 
 def _ref_path(ref) -> str:

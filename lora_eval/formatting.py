@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pandas as pd
 
-# compare summary columns shown to people
+# compare summary columns shown to people (k2_over_floor only where the references give a floor: shown_columns)
 SHOWN = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error",
-         "passed", "failed"]
+         "k2_over_floor", "passed", "failed"]
 NEWLINE = "\u23ce"  # shown for a newline inside token text
 
 
@@ -52,9 +52,57 @@ def versions_of(run: dict) -> dict:
     return (run.get("fingerprint") or {}).get("versions") or {}
 
 
-def compare_verdict(summary: pd.DataFrame) -> str:
+def shown_columns(summary: pd.DataFrame) -> list[str]:
+    """The SHOWN columns a compare summary has, less k2_over_floor where no row has a floor."""
+    return [c for c in SHOWN if c in summary.columns
+            and not (c == "k2_over_floor" and summary[c].isna().all())]
+
+
+def compare_verdict(summary: pd.DataFrame, gates: pd.DataFrame) -> str:
+    """'PASSED', or 'FAILED: ' and each failing row with what it failed; an adapter that the applied gate fails and
+    that has no summary row (no reference rows) is named too."""
     failed = [f"{r.adapter} ({r.failed})" for r in summary.itertuples() if not bool(r.passed)]
+    failed += [f"{g.adapter} (adapter not applied: {g.reason})" for g in gates.itertuples()
+               if not bool(g.applied) and g.adapter not in set(summary["adapter"])]
     return "PASSED" if not failed else "FAILED: " + "; ".join(failed)
+
+
+def floor_clause(args: dict) -> str:
+    """', k2 <= X x the sampler's floor' for the thresholds sentence of a report, where --max-k2-over-floor is set."""
+    limit = args.get("max_k2_over_floor")
+    return "" if limit is None else f", k2 <= {limit:g} x the sampler's floor"
+
+
+def gate_lines(gates: pd.DataFrame, run: dict) -> list[str]:
+    """What the gates found, one line each: the adapter applied gate (each adapter's max |lp - base| against the
+    noise bound, or why it is not applied) and the k2 over floor gate (the floor and the limit, or why it is off)."""
+    record = run.get("gates") or {}
+    check = record.get("adapter_check")
+    if check is None:
+        applied = "adapter applied: not checked (--no-adapter-check)"
+    elif not len(gates):
+        applied = "adapter applied: no adapter to check"
+    else:
+        parts = []
+        for g in gates.itertuples():
+            if not bool(g.applied):
+                parts.append(f"{g.adapter} NOT applied: {g.reason}")
+            elif g.rows_checked:
+                parts.append(f"{g.adapter} {cell(float(g.max_abs_diff_vs_base))} > {cell(float(g.noise_bound))}")
+            else:
+                parts.append(f"{g.adapter} ({g.reason})")
+        applied = (f"adapter applied (max |lp - base| > noise bound, on up to {check['max_rows']} rows / "
+                   f"{check['max_tokens']} tokens of each adapter run again under the base model: {check['rows']} "
+                   f"rows, {check['tokens']} tokens): " + "; ".join(parts))
+    floor = record.get("k2_over_floor") or {}
+    if floor.get("k2_floor") is None:
+        over = "k2 over floor: off (the references carry no sampler logprobs)"
+    else:
+        limit = floor.get("limit")
+        over = (f"k2 over floor: floor {cell(float(floor['k2_floor']))} (k2 of ref - sampler over {floor['rows']} "
+                f"{floor['source']}, {floor['tokens']} tokens); " +
+                ("no limit set (--max-k2-over-floor)" if limit is None else f"limit k2 <= {limit:g} x floor"))
+    return [applied, over]
 
 
 def points(value: float) -> str:

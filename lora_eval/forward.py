@@ -4,6 +4,18 @@ Triton kernels (the GPU path) — and, when adapters are loaded, the adapter slo
 The model code calls `fwd.linear(module, x)`, `fwd.norm(...)`, `fwd.embedding(...)`, `fwd.moe(...)` and
 `fwd.attention(...)`; each adds the rows' adapter deltas (or swaps in an adapter's own weights, for
 modules_to_save) on top of the base op. The Triton path never syncs with the host.
+
+Observing intermediates (`lora-eval diagnose`): `Forward.probe`, None by default, may be set to a callable
+`probe(layer, point, tensor)`; the ops and the models' decoder-layer loops then report, per decoder layer:
+  input [T, H]          the residual stream entering the layer      (models' layer loops)
+  attention [T, H]      attention's output projection, before the residual add   (linear, self_attn sites)
+  router_logits [T, E]  the router's logits, LoRA included          (route, or the family's own router)
+  router_topk [T, k]    the chosen expert ids                        (likewise)
+  moe [T, H]            the routed experts' output, before any residual or shared-expert add   (moe)
+  residual [T, H]       the residual stream after the layer          (models' layer loops)
+Where a kernel fuses one of these into a sum (o_proj's and the MoE's residual add, the router LoRA's expand inside
+the top-k), the observed part is computed once more on its own and the fused result is kept, so a probe never
+changes what the forward returns. With no probe nothing of this runs: one `is None` test per report site.
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .adapters.targets import layer_of
 from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
 from .kernels.fused_moe import fused_moe_ref
 from .kernels.linear import linear_ref
@@ -22,6 +35,8 @@ BACKENDS = ("torch", "triton")
 
 
 class Forward:
+    probe = None  # callable probe(layer, point, tensor) that sees intermediates (see the module notes), or None
+
     def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None,
                  expert_parallel=None):
         if backend not in BACKENDS:
@@ -46,6 +61,20 @@ class Forward:
         slots = self.token_slots[rows] if self.stack is not None else None
         return Forward(self.backend, self.lengths, self.stack, slots, self.expert_parallel)
 
+    # ---- observing (diagnose) -----------------------------------------------------------------------------
+    def observe(self, where: int | str, point: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Report `tensor` as `point` of a decoder layer to the probe (nothing without one); `where`: the layer's
+        index or a module site in it (`model.layers.{i}....`). Returns `tensor`."""
+        if self.probe is not None:
+            self.probe(where if isinstance(where, int) else layer_of(where), point, tensor)
+        return tensor
+
+    def observe_routing(self, site: str, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        """Report a router's logits [T, E] and chosen expert ids [T, k] (`site`: the router's)."""
+        if self.probe is not None:
+            self.observe(site, "router_logits", logits)
+            self.observe(site, "router_topk", ids)
+
     # ---- per-slot selection ------------------------------------------------------------------------------
     def _groups(self, slots: frozenset[int]) -> list[tuple[int, torch.Tensor]]:
         """torch path: (slot, row indices) for the slots present in the batch among `slots`."""
@@ -69,6 +98,8 @@ class Forward:
         `residual` [T, out]: return residual + the projection (on the Triton path the LoRA expand runs inside that
         sum: dense_lora.lora_residual_add); `y`: the base projection x W^T (+ b) when the caller computed it (one
         GEMM of a projection group, `linears`)."""
+        if residual is not None and self.probe is not None and ".self_attn." in module.site:
+            self.observe(module.site, "attention", self.linear(module, x, with_lora))  # [T, out], apart from the sum
         base = F.linear if self.triton else linear_ref
         if y is None:
             y = base(x, module.weight, module.bias)  # [T, out]
@@ -228,6 +259,16 @@ class Forward:
             residual: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts of one layer: x [T, H], topk [T, k] -> [T, H]; `residual` [T, H]: residual + that (on the
         Triton path added inside the sum over k). Under expert parallel the pairs go to their experts' ranks."""
+        if self.probe is None:
+            return self._moe(experts, x, topk_ids, topk_weights, residual)
+        out = self.observe(experts.site, "moe", self._moe(experts, x, topk_ids, topk_weights))  # [T, H]
+        if residual is None:
+            return out
+        fused = self.triton and self.expert_parallel is None  # (expert parallel adds the residual apart too)
+        return self._moe(experts, x, topk_ids, topk_weights, residual) if fused else residual + out
+
+    def _moe(self, experts, x, topk_ids, topk_weights, residual=None) -> torch.Tensor:
+        """`moe` itself (the probe's observation aside)."""
         if self.expert_parallel is not None:
             return self.expert_parallel.moe(self, experts, x, topk_ids, topk_weights, residual)
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
@@ -248,18 +289,27 @@ class Forward:
         """Router: logits = router(x) -> softmax over the experts (float32) -> top-k -> renormalise if asked:
         x [T, H] -> weights [T, k] float32, expert ids [T, k]. On the Triton path the router's LoRA expand runs
         inside the top-k kernel (kernels/router.py)."""
+        lora = self.stack.dense.get(router.site) if self.triton and self.stack is not None else None
         if not self.triton:
-            return router_topk_ref(self.linear(router, x), top_k, renormalize)  # [T, E] logits
-        from .kernels.router import router_topk
+            logits = self.linear(router, x)  # [T, E]
+            weights, ids = router_topk_ref(logits, top_k, renormalize)  # [T, k] float32, [T, k]
+        elif lora is None:
+            from .kernels.router import router_topk
 
-        lora = self.stack.dense.get(router.site) if self.stack is not None else None
-        if lora is None:
-            return router_topk(self.linear(router, x), top_k, renormalize)
-        from .kernels.dense_lora import dense_lora_shrink
+            logits = self.linear(router, x)  # [T, E]
+            weights, ids = router_topk(logits, top_k, renormalize)
+        else:
+            from .kernels.dense_lora import dense_lora_shrink
+            from .kernels.router import router_topk
 
-        logits = self.linear(router, x, with_lora=False)  # [T, E]
-        shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [splits, T, R]
-        return router_topk(logits, top_k, renormalize, lora=(shrunk, lora.B, self.meta.row_slot, lora.slot_mask))
+            logits = self.linear(router, x, with_lora=False)  # [T, E]
+            shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [splits, T, R]
+            weights, ids = router_topk(logits, top_k, renormalize,
+                                       lora=(shrunk, lora.B, self.meta.row_slot, lora.slot_mask))
+            if self.probe is not None:  # the logits the top-k saw: with the LoRA expand, computed on their own
+                logits = self.linear(router, x)  # [T, E]
+        self.observe_routing(router.site, logits, ids)
+        return weights, ids
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:

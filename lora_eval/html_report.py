@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from . import plots
-from .formatting import (SHOWN, cell, compare_verdict, display_table, mmlu_verdict, model_line, shown_text,
-                         versions_of)
+from .formatting import (cell, compare_verdict, display_table, floor_clause, gate_lines, mmlu_verdict, model_line,
+                         shown_columns, shown_text, versions_of)
 from .names import BASE
 from .results import WORST_PER_ADAPTER
 
@@ -108,11 +108,15 @@ def compare_html(result) -> str:
     summary, samples, tokens, run = result.summary, result.samples, result.tokens, result.run
     args = run.get("arguments", {})
     failed = [not bool(p) for p in summary["passed"]]
-    verdict = compare_verdict(summary)
+    verdict = compare_verdict(summary, result.gates)
     body = [f"<p>{_model(run)}; thresholds: k2 &le; {_esc(args.get('max_k2'))}, mean_abs_diff &le; "
-            f"{_esc(args.get('max_mean_abs_diff'))}. Per token <code>d = ref - engine</code> over masked "
-            "positions.</p>",
-            "<h2>Summary</h2>", html_table(summary[[c for c in SHOWN if c in summary.columns]], failed)]
+            f"{_esc(args.get('max_mean_abs_diff'))}{_esc(floor_clause(args))}. Per token <code>d = ref - engine</code> "
+            "over masked positions.</p>",
+            "<h2>Summary</h2>", html_table(summary[shown_columns(summary)], failed),
+            "<h2>Gates</h2>", "<ul>" + "".join(f"<li>{_esc(line)}</li>" for line in gate_lines(result.gates, run))
+            + "</ul>"]
+    if len(result.gates):
+        body.append(html_table(result.gates, [not bool(a) for a in result.gates["applied"]]))
     has_sampler = "sampler_k2" in summary.columns and summary["sampler_k2"].notna().any()
     if has_sampler:
         floor = summary[["adapter", "mean_abs_diff", "sampler_mean_abs_diff", "k2", "sampler_k2", "max_abs_diff",
@@ -148,7 +152,7 @@ def compare_html(result) -> str:
     body += ["<h2>Worst samples by k2</h2>",
              html_table(top[["adapter", "sample_id", "n_tokens", "mean_abs_diff", "max_abs_diff", "k2"]])]
     body += _run_facts(run)
-    return _page(f"lora-eval compare: {verdict}", not any(failed), body)
+    return _page(f"lora-eval compare: {verdict}", result.passed, body)
 
 
 # ---- MMLU ---------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 
 from .errors import InputError
-from .formatting import (SHOWN, compare_verdict, display_table, fixed_width, markdown_table, mmlu_verdict,
-                         model_line, points, shown_text, versions_of)
+from .formatting import (compare_verdict, display_table, fixed_width, floor_clause, gate_lines, markdown_table,
+                         mmlu_verdict, model_line, points, shown_columns, shown_text, versions_of)
 from .html_report import compare_html, mmlu_html
 from .names import BASE
 from .results import CompareResult, MmluResult, read_run
@@ -22,15 +22,17 @@ from .results import CompareResult, MmluResult, read_run
 
 
 def summary_text(result: CompareResult | MmluResult) -> str:
-    """The summary for the terminal: compare's rows with PASS/FAIL and what failed; MMLU's micro and macro rows."""
+    """The summary for the terminal: compare's rows with PASS/FAIL and what failed, then what the gates found;
+    MMLU's micro and macro rows."""
     if isinstance(result, CompareResult):
-        return fixed_width(result.summary[[c for c in SHOWN if c in result.summary.columns]])
+        return "\n".join([fixed_width(result.summary[shown_columns(result.summary)]), "",
+                          *gate_lines(result.gates, result.run)])
     return fixed_width(display_table(result.summary[result.summary["group"].isin(["micro", "macro"])]))
 
 
 def verdict(result: CompareResult | MmluResult) -> str:
     if isinstance(result, CompareResult):
-        return compare_verdict(result.summary)
+        return compare_verdict(result.summary, result.gates)
     return mmlu_verdict(result.summary, result.run.get("arguments", {}).get("max_drop"))
 
 
@@ -48,13 +50,16 @@ def phase_times(run: dict) -> str:
 
 
 def compare_markdown(result: CompareResult) -> str:
-    """report.md of a compare run: verdict, summary, noise floor, worst samples, run facts."""
+    """report.md of a compare run: verdict, summary, gates, noise floor, worst samples, run facts."""
     summary, run = result.summary, result.run
     args = run.get("arguments", {})
-    lines = [f"# lora-eval compare: {compare_verdict(summary)}", "",
+    lines = [f"# lora-eval compare: {compare_verdict(summary, result.gates)}", "",
              f"{model_line(run)}; thresholds: k2 <= {args.get('max_k2')}, mean_abs_diff <= "
-             f"{args.get('max_mean_abs_diff')}.", "",
-             "## Summary", "", markdown_table(summary[[c for c in SHOWN if c in summary.columns]]), ""]
+             f"{args.get('max_mean_abs_diff')}{floor_clause(args)}.", "",
+             "## Summary", "", markdown_table(summary[shown_columns(summary)]), "",
+             "## Gates", "", *[f"* {line}" for line in gate_lines(result.gates, run)], ""]
+    if len(result.gates):
+        lines += [markdown_table(result.gates.assign(reason=result.gates["reason"].str.replace("|", "\\|"))), ""]
     sampler_cols = [c for c in summary.columns if c.startswith("sampler_")]
     if sampler_cols:
         lines += ["## Sampler noise floor (reference - sampler)", "",

@@ -1,10 +1,11 @@
 """Results: each task's tables (DataFrames first) and run record, the table files of a run folder, and reading a
 complete run folder back.
 
-A compare run folder holds summary.csv, samples.csv, tokens.parquet, worst_tokens.parquet, report.md, report.html
-and run.json; an mmlu run folder mmlu_questions.parquet, mmlu_subjects.csv, mmlu_summary.csv, mmlu.md, report.html
-and run.json. run.json is the run record: the command, its arguments, the fingerprint (runfolder.py), versions,
-timings, and "status": "complete" once the run has finished. A folder without that status is refused.
+A compare run folder holds summary.csv, samples.csv, tokens.parquet, worst_tokens.parquet, gates.csv (the adapter
+applied gate, one row per adapter; only its header with --no-adapter-check), report.md, report.html and run.json;
+an mmlu run folder mmlu_questions.parquet, mmlu_subjects.csv, mmlu_summary.csv, mmlu.md, report.html and run.json.
+run.json is the run record: the command, its arguments, the fingerprint (runfolder.py), versions, timings, and
+"status": "complete" once the run has finished. A folder without that status is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pandas as pd
 import pyarrow as pa
 
 from .errors import EXIT_PASS, EXIT_THRESHOLD, InputError
+from .metrics import GATE_COLUMNS
 from .runfolder import read_record
 
 WORST_PER_ADAPTER = 5  # worst tokens listed per adapter
@@ -44,6 +46,11 @@ class Verdict:
         return EXIT_PASS if self.passed else EXIT_THRESHOLD
 
 
+def no_gates() -> pd.DataFrame:
+    """The gates table of a run without the adapter applied gate: its columns, no row."""
+    return pd.DataFrame({c: pd.Series(dtype=bool if c == "applied" else object) for c in GATE_COLUMNS})
+
+
 @dataclass
 class CompareResult(Verdict):
     summary: pd.DataFrame  # one row per adapter ('base' for the base model) plus 'overall'
@@ -51,6 +58,13 @@ class CompareResult(Verdict):
     tokens: pd.DataFrame  # one row per predicted token
     run: dict = field(default_factory=dict)  # the run record (run.json)
     worst: pd.DataFrame = field(default_factory=pd.DataFrame)  # worst tokens per adapter, decoded with context
+    gates: pd.DataFrame = field(default_factory=no_gates)  # the adapter applied gate: one row per adapter
+
+    @property
+    def passed(self) -> bool:
+        """Every summary row passed and every adapter was applied (an adapter without reference rows has no
+        summary row, but its gate still counts)."""
+        return bool(self.summary["passed"].all()) and bool(self.gates["applied"].all())
 
 
 @dataclass
@@ -78,7 +92,8 @@ def table_files(result: CompareResult | MmluResult) -> dict[str, bytes]:
     """The run folder's table files of a result, as bytes (the same tables give the same bytes)."""
     if isinstance(result, CompareResult):
         return {"summary.csv": _csv(result.summary), "samples.csv": _csv(result.samples),
-                "tokens.parquet": _parquet(result.tokens), "worst_tokens.parquet": _parquet(result.worst)}
+                "tokens.parquet": _parquet(result.tokens), "worst_tokens.parquet": _parquet(result.worst),
+                "gates.csv": _csv(result.gates)}
     return {"mmlu_questions.parquet": _parquet(result.questions), "mmlu_subjects.csv": _csv(result.subjects),
             "mmlu_summary.csv": _csv(result.summary)}
 
@@ -120,11 +135,13 @@ def read_run(run_dir: str | Path) -> CompareResult | MmluResult:
                           ["adapter", "sample_id", "position", "d", "mask"])
         worst = _require(_read_parquet(run_dir / "worst_tokens.parquet"), run_dir / "worst_tokens.parquet",
                          WORST_COLUMNS)
+        gates = _require(_read_csv(run_dir / "gates.csv", ["adapter", "reason"]), run_dir / "gates.csv", GATE_COLUMNS)
+        gates["applied"] = gates["applied"].astype(bool)
         for frame in (tokens, worst):
             for column in ("adapter", "sample_id", "token", "context"):
                 if column in frame:
                     frame[column] = frame[column].astype(object)
-        return CompareResult(summary=summary, samples=samples, tokens=tokens, run=record, worst=worst)
+        return CompareResult(summary=summary, samples=samples, tokens=tokens, run=record, worst=worst, gates=gates)
     summary = _require(_read_csv(run_dir / "mmlu_summary.csv", ["model", "group"]), run_dir / "mmlu_summary.csv",
                        MMLU_SUMMARY_COLUMNS)
     subjects = _require(_read_csv(run_dir / "mmlu_subjects.csv", ["subject", "category", "model"]),
@@ -168,3 +185,59 @@ def _read_parquet(path: Path) -> pd.DataFrame:
         return pd.read_parquet(path)
     except (pa.ArrowException, OSError) as e:
         raise InputError(path, f"not a readable Parquet file ({e})") from None
+
+
+# ---- diagnose ------------------------------------------------------------------------------------------------
+
+DIAGNOSE_LAYER_COLUMNS = ["adapter", "layer", "point", "rel_error", "router_flip_rate"]
+DIAGNOSE_MODULE_COLUMNS = ["adapter", "layer", "module", "lora_rel_effect"]
+DIAGNOSE_POINTS = ["attention", "router", "moe", "residual"]  # per decoder layer, in this order
+
+
+@dataclass
+class DiagnoseResult:
+    """`lora-eval diagnose`: where the engine parts from a reference computation, layer by layer."""
+
+    layers: pd.DataFrame  # one row per (adapter or 'base', layer, point): rel_error, router_flip_rate (router only)
+    modules: pd.DataFrame  # one row per (adapter, targeted module): lora_rel_effect = ‖ΔW x‖ / ‖W x‖
+    record: dict = field(default_factory=dict)  # diagnose.json: per adapter first_divergent_layer, how measured, ...
+    run: dict = field(default_factory=dict)  # the run record (run.json)
+
+    exit_code = EXIT_PASS  # a diagnosis has no threshold to cross
+
+
+def diagnose_table_files(result: DiagnoseResult) -> dict[str, bytes]:
+    """layers.csv, modules.csv and diagnose.json of a diagnose run folder."""
+    import json
+
+    diagnosis = (json.dumps(result.record, indent=2, default=str) + "\n").encode("utf-8")
+    return {"layers.csv": _csv(result.layers), "modules.csv": _csv(result.modules), "diagnose.json": diagnosis}
+
+
+def read_diagnose(run_dir: str | Path) -> DiagnoseResult:
+    """A complete diagnose run folder as a DiagnoseResult: its tables, diagnose.json and run.json as saved."""
+    import json
+
+    run_dir = Path(run_dir)
+    partial = run_dir.with_name(run_dir.name + ".partial")
+    if not run_dir.is_dir():
+        if partial.is_dir():
+            raise InputError(run_dir, f"the run is not finished: its parts are in {partial}; run the command that "
+                             "started it again to resume")
+        raise InputError(run_dir, "run folder not found")
+    record = read_record(run_dir)
+    if record.get("status") != "complete" or record.get("command") != "diagnose":
+        raise InputError(run_dir / "run.json", "not a complete diagnose run", key="command")
+    layers = _require(_read_csv(run_dir / "layers.csv", ["adapter", "point"]), run_dir / "layers.csv",
+                      DIAGNOSE_LAYER_COLUMNS)
+    modules = _require(_read_csv(run_dir / "modules.csv", ["adapter", "module"]), run_dir / "modules.csv",
+                       DIAGNOSE_MODULE_COLUMNS)
+    modules["layer"] = modules["layer"].astype("Int64")  # empty outside the decoder layers
+    path = run_dir / "diagnose.json"
+    if not path.is_file():
+        raise InputError(path, "file missing from the run folder")
+    try:
+        diagnosis = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(path, f"not valid JSON ({e})") from None
+    return DiagnoseResult(layers=layers, modules=modules, record=diagnosis, run=record)

@@ -1,7 +1,8 @@
 """Reports people read, JUnit for CI, the golden regression, and the example notebook.
 
 1. the regression run exactly as CI runs it (`python -m lora_eval.golden check`): the demo model and adapters
-   rebuilt on the spot against the committed golden dump, tight thresholds, exit 0, JUnit all green;
+   rebuilt on the spot against the committed golden dump, tight thresholds, exit 0, JUnit all green, both adapters
+   applied (gates.csv) and far below the bf16 sampler's k2 floor;
 2. the committed golden dump equals what the regenerate command produces now;
 3. report.html: every embedded image decodes as a PNG; the summary cells carry summary.csv's exact numbers;
    report.md shows the same numbers as summary.csv;
@@ -233,12 +234,22 @@ def test_regression_passes_against_golden(regression):
     assert run["arguments"]["max_mean_abs_diff"] == golden.MAX_MEAN_ABS_DIFF
     assert run["tokenizer"] == str(out / "inputs" / "model")
 
+    # both demo adapters change the model far beyond float32 noise: the adapter applied gate passes
+    gates = pd.read_csv(out / "run" / "gates.csv").set_index("adapter")
+    assert list(gates.index) == list(ADAPTERS) and gates["applied"].all()
+    assert (gates["max_abs_diff_vs_base"] > 1e4 * gates["noise_bound"]).all()
+    # the bf16 sampler gives the k2 floor (over the base rows): the engine's float32 k2 is far below it
+    assert run["gates"]["k2_over_floor"]["source"] == "base rows"
+    assert (summary["k2_floor"] == run["gates"]["k2_over_floor"]["k2_floor"]).all()
+    assert (summary["k2_over_floor"] < 1e-6).all()
+
     _, cases = parse_junit((out / "junit.xml").read_text())
-    assert len(cases) == len(ROWS) * 2
+    assert len(cases) == len(ROWS) * 2 + len(ADAPTERS)  # rows x thresholds, adapters x the applied gate
     assert all(c["failure"] is None for c in cases)
     assert {(c["classname"], c["name"]) for c in cases} == {
         (f"lora-eval.compare.{row}", f"{metric} <= {limit:g}") for row in ROWS
-        for metric, limit in (("k2", golden.MAX_K2), ("mean_abs_diff", golden.MAX_MEAN_ABS_DIFF))}
+        for metric, limit in (("k2", golden.MAX_K2), ("mean_abs_diff", golden.MAX_MEAN_ABS_DIFF))} | {
+        (f"lora-eval.compare.{adapter}", "adapter applied") for adapter in ADAPTERS}
 
 
 def test_golden_matches_regeneration(regression, tmp_path):
@@ -301,11 +312,17 @@ def test_html_images_decode_and_summary_numbers_are_exact(regression):
         assert [int(c["text"]) for c in shown[column]] == list(summary[column])
     assert [c["text"] for c in shown["passed"]] == ["PASS"] * len(summary)
 
-    floor, _ = table_frame(page.tables[1])  # engine beside the sampler
+    gates, classes = table_frame(page.tables[1])  # the adapter applied gate
+    saved = pd.read_csv(run / "gates.csv")
+    assert [c["text"] for c in gates["adapter"]] == list(saved["adapter"]) and classes == [None] * len(saved)
+    assert [float(c["title"]) for c in gates["max_abs_diff_vs_base"]] == list(saved["max_abs_diff_vs_base"])
+    assert [float(c["title"]) for c in shown["k2_over_floor"]] == list(summary["k2_over_floor"])
+
+    floor, _ = table_frame(page.tables[2])  # engine beside the sampler
     for column in ("sampler_mean_abs_diff", "sampler_k2", "sampler_max_abs_diff"):
         assert [float(c["title"]) for c in floor[column]] == list(summary[column])
 
-    worst, _ = table_frame(page.tables[2])
+    worst, _ = table_frame(page.tables[3])
     saved = pd.read_parquet(run / "worst_tokens.parquet")
     assert len(worst) == len(saved) == 5 * 3
     assert [float(c["title"]) for c in worst["d"]] == list(saved["d"])
@@ -354,7 +371,7 @@ def test_saved_tables_read_back_exactly(regression, tmp_path):
         frame["sample_id"] = frame["sample_id"].replace(odd)
     save_run(result, tmp_path / "odd")
     again = read_run(tmp_path / "odd")
-    for name in ("summary", "samples", "tokens", "worst"):
+    for name in ("summary", "samples", "tokens", "worst", "gates"):
         pd.testing.assert_frame_equal(getattr(again, name), getattr(result, name), check_exact=True, obj=name)
     assert set(odd.values()) <= set(again.samples["sample_id"])
     assert again.summary["failed"].tolist() == [""] * len(ROWS)
@@ -404,7 +421,7 @@ def test_junit_marks_the_failing_adapter_with_its_numbers(shifted_run):
     assert k2 == pytest.approx(delta ** 2 / 2, rel=1e-3)
 
     _, cases = parse_junit((root / "junit.xml").read_text(encoding="utf-8"))
-    assert len(cases) == len(ROWS) * 2
+    assert len(cases) == len(ROWS) * 2 + len(ADAPTERS)  # rows x thresholds, adapters x the applied gate
     failed = {(c["classname"].rsplit(".", 1)[1], c["name"]) for c in cases if c["failure"] is not None}
     expected = set()
     for row in summary.itertuples():

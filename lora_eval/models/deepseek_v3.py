@@ -297,6 +297,7 @@ class MoE(nn.Module):
         weights, ids = group_topk_sigmoid_routing(logits, self.gate.e_score_correction_bias, self.top_k,
                                                   self.n_group, self.topk_group, self.norm_topk_prob,
                                                   self.scaling)  # [T, k] float32, [T, k]
+        fwd.observe_routing(self.gate.site, logits, ids)
         routed = fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
         out = self.shared_experts(x, fwd, residual=routed)  # [T, H]: routed + shared, transformers' order
         return out if residual is None else residual + out

@@ -162,6 +162,7 @@ class MoE(nn.Module):
         weights, ids = group_topk_sigmoid_routing(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                                   self.topk_group, self.norm_topk_prob,
                                                   self.routed_scaling_factor)  # [T, k] float32, [T, k]
+        fwd.observe_routing(self.gate.site, logits, ids)
         routed = fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
         out = routed + self.shared_experts(x, fwd)  # [T, H]: transformers adds the shared experts, then the residual
         return out if residual is None else residual + out

@@ -237,8 +237,8 @@ class CausalLM(nn.Module):
         positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
         h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, getattr(self.args, "rope_scale", 1.0))  # [B, L, D]
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, fwd)  # [T, H]
+        for i, layer in enumerate(self.model.layers):
+            h = fwd.observe(i, "residual", layer(fwd.observe(i, "input", h), cos, sin, fwd))  # [T, H]
         return self.model.norm(h, fwd)  # [T, H]
 
     def logits(self, h: torch.Tensor, fwd) -> torch.Tensor:

@@ -148,8 +148,8 @@ class CausalLM(qwen3.CausalLM):
         positions = torch.arange(L, device=input_ids.device).expand(3, B, L)  # [3, B, L]: text-only, equal streams
         h = text.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
         cos, sin = mrope_cos_sin(self.inv_freq, positions, self.args.mrope_section, h.dtype)  # [B, L, D]
-        for layer in text.layers:
-            h = layer(h, cos, sin, fwd)  # [T, H]
+        for i, layer in enumerate(text.layers):
+            h = fwd.observe(i, "residual", layer(fwd.observe(i, "input", h), cos, sin, fwd))  # [T, H]
         return text.norm(h, fwd)  # [T, H]
 
 
