@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU runs of issue #27 on every GPU of the machine (NCCL, one process per GPU, NVLink multicast off).
-# Results go to $OUT (env.txt, *.log, *.json run records, summary.txt).
+# Results: $OUT/multi_gpu.tgz (env.txt, *.log, *.json run records, dp_summary.txt, ep_summary.txt; one file, as
+# the device tool returns at most 8) and the two summaries beside it.
 #   bash benchmarks/multi_gpu.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # STEPS picks the parts (default "dp ep"):
 #   dp  data parallel: compare and an MMLU subset on a Qwen3-30B-A3B-shaped checkpoint written to disk, on one GPU
@@ -16,12 +17,13 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}
 WORK=${WORK:-/tmp/lora-eval-multi}
 MMLU=${MMLU:-.mmlu-data}
-mkdir -p "$OUT" "$WORK"
+RES=$OUT/multi_gpu
+mkdir -p "$RES" "$WORK"
 export PYTHONUNBUFFERED=1 CI=true NCCL_NVLS_ENABLE=0
 GPUS=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-  date -u; echo "$GPUS GPUs"; df -h /tmp | tail -n 1; free -g | head -n 2; } 2>&1 | tee "$OUT/env.txt"
+  date -u; echo "$GPUS GPUs"; df -h /tmp | tail -n 1; free -g | head -n 2; } 2>&1 | tee "$RES/env.txt"
 TORCHRUN=(torchrun --standalone --nproc-per-node "$GPUS" --no-python lora-eval)
 MMLU_ARGS=(--data "$MMLU" --limit "${MMLU_LIMIT:-10}" --quiet --overwrite ${DEVICE_ARGS:-})
 
@@ -52,15 +54,20 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
   DP=$WORK/dp
   [ -f "$DP/reference.parquet" ] || timeout 400 python3 benchmarks/write_checkpoint.py \
       --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-30B-A3B.json" ${WRITE_ARGS:-} --layers "${DP_LAYERS:-48}" --samples "${DP_SAMPLES:-1024}" \
-      --tokenizer-from "$MMLU" --out "$DP" 2>&1 | tail -n 2 | tee "$OUT/dp_write.log"
+      --tokenizer-from "$MMLU" --out "$DP" 2>&1 | tail -n 2 | tee "$RES/dp_write.log"
   ARGS=(compare --model "$DP/model" --adapter "adapter=$DP/peft/adapter" --reference "$DP/reference.parquet"
         --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-})
-  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]}" --out "$DP/one" > "$OUT/dp_one.log" 2>&1
-  timeout 300 "${TORCHRUN[@]}" "${ARGS[@]}" --out "$DP/all" > "$OUT/dp_all.log" 2>&1
+  # a warm-up on 64 samples first: Triton compiles into its on-disk cache once per machine, not inside a timed run
+  python3 -c "import pandas as pd, sys; pd.read_parquet(sys.argv[1]).head(64).to_parquet(sys.argv[2])" \
+      "$DP/reference.parquet" "$DP/warm.parquet"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]/$DP\/reference.parquet/$DP/warm.parquet}" --out "$DP/warm" \
+      > "$RES/dp_warm.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]}" --out "$DP/one" > "$RES/dp_one.log" 2>&1
+  timeout 300 "${TORCHRUN[@]}" "${ARGS[@]}" --out "$DP/all" > "$RES/dp_all.log" 2>&1
   M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}")
-  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$OUT/dp_mmlu_one.log" 2>&1
-  timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$OUT/dp_mmlu_all.log" 2>&1
-  for r in one all mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$OUT/dp_$r.json" 2>/dev/null; done
+  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$RES/dp_mmlu_one.log" 2>&1
+  timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$RES/dp_mmlu_all.log" 2>&1
+  for r in one all mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
   { timings "compare 1 GPU" "$DP/one"; timings "compare $GPUS GPUs" "$DP/all"
     timings "mmlu 1 GPU" "$DP/mmlu_one"; timings "mmlu $GPUS GPUs" "$DP/mmlu_all"
     for f in summary.csv samples.csv tokens.parquet; do
@@ -68,7 +75,7 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
     for f in "$DP"/mmlu_one/*.csv; do
       cmp -s "$f" "$DP/mmlu_all/$(basename "$f")" && echo "mmlu $(basename "$f") byte-identical" \
         || echo "mmlu $(basename "$f") differs"; done
-    side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$OUT/dp_summary.txt"
+    side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
   rm -rf "$DP"
 fi
 
@@ -77,23 +84,26 @@ if [[ " ${STEPS:-dp ep} " == *" ep "* ]]; then
   AGREE=${EP_AGREE_LAYERS:-8}
   [ -f "$EP/reference.parquet" ] || timeout 500 python3 benchmarks/write_checkpoint.py --streamed \
       --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-235B-A22B.json" ${WRITE_ARGS:-} --layers "${EP_LAYERS:-18}" --samples "${EP_SAMPLES:-256}" \
-      --tokenizer-from "$MMLU" --out "$EP" 2>&1 | tail -n 2 | tee "$OUT/ep_write.log"
-  du -sh "$EP/model" | tee -a "$OUT/ep_write.log"
-  python3 benchmarks/write_checkpoint.py --first-layers-of "$EP" --layers "$AGREE" --out "$EP/first" >> "$OUT/ep_write.log"
-  timeout 60 lora-eval plan --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --gpus "$GPUS" > "$OUT/ep_plan.txt" 2>&1
+      --tokenizer-from "$MMLU" --out "$EP" 2>&1 | tail -n 2 | tee "$RES/ep_write.log"
+  du -sh "$EP/model" | tee -a "$RES/ep_write.log"
+  python3 benchmarks/write_checkpoint.py --first-layers-of "$EP" --layers "$AGREE" --out "$EP/first" >> "$RES/ep_write.log"
+  timeout 60 lora-eval plan --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --gpus "$GPUS" > "$RES/ep_plan.txt" 2>&1
   ARGS=(compare --reference "$EP/reference.parquet" --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-})
   timeout 400 "${TORCHRUN[@]}" "${ARGS[@]}" --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --expert-parallel \
-      --out "$EP/run" > "$OUT/ep.log" 2>&1
+      --out "$EP/run" > "$RES/ep.log" 2>&1
   timeout 300 "${TORCHRUN[@]}" mmlu --model "$EP/model" --adapter "adapter=$EP/peft/adapter" "${MMLU_ARGS[@]}" \
-      --expert-parallel --out "$EP/mmlu" > "$OUT/ep_mmlu.log" 2>&1
+      --expert-parallel --out "$EP/mmlu" > "$RES/ep_mmlu.log" 2>&1
   FIRST=(--model "$EP/first/model" --adapter "adapter=$EP/first/peft/adapter")
   CUDA_VISIBLE_DEVICES=0 timeout 200 lora-eval "${ARGS[@]}" "${FIRST[@]}" --out "$EP/first_one" \
-      > "$OUT/ep_first_one.log" 2>&1
+      > "$RES/ep_first_one.log" 2>&1
   timeout 200 "${TORCHRUN[@]}" "${ARGS[@]}" "${FIRST[@]}" --expert-parallel --out "$EP/first_ep" \
-      > "$OUT/ep_first_ep.log" 2>&1
-  for r in run mmlu first_one first_ep; do cp "$EP/$r/run.json" "$OUT/ep_$r.json" 2>/dev/null; done
+      > "$RES/ep_first_ep.log" 2>&1
+  for r in run mmlu first_one first_ep; do cp "$EP/$r/run.json" "$RES/ep_$r.json" 2>/dev/null; done
   { timings "EP compare, ${EP_LAYERS:-18} layers, $GPUS GPUs" "$EP/run"
     timings "EP mmlu, ${EP_LAYERS:-18} layers, $GPUS GPUs" "$EP/mmlu"
     timings "first $AGREE layers, 1 GPU" "$EP/first_one"; timings "first $AGREE layers, EP" "$EP/first_ep"
-    side_by_side "$EP/first_one" "$EP/first_ep"; } 2>&1 | tee "$OUT/ep_summary.txt"
+    side_by_side "$EP/first_one" "$EP/first_ep"; } 2>&1 | tee "$RES/ep_summary.txt"
 fi
+
+cp "$RES"/*_summary.txt "$OUT/" 2>/dev/null
+tar -czf "$OUT/multi_gpu.tgz" -C "$OUT" multi_gpu && rm -rf "$RES"
