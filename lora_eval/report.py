@@ -14,9 +14,10 @@ import pandas as pd
 from .errors import InputError
 from .formatting import (compare_verdict, display_table, fixed_width, floor_clause, gate_lines, markdown_table,
                          mmlu_verdict, model_line, points, shown_columns, shown_text, versions_of)
+from .diagnose_report import diagnose_html, diagnose_markdown
 from .html_report import compare_html, mmlu_html
 from .names import BASE
-from .results import CompareResult, MmluResult, read_run
+from .results import CompareResult, MmluResult, complete_record, read_diagnose, read_run
 
 # ---- the terminal -------------------------------------------------------------------------------------------
 
@@ -148,4 +149,7 @@ def render(run_dir: str | Path, fmt: str = "html") -> str:
     """The report of a complete run folder, from its files alone (equal to the report written with the run)."""
     if fmt not in ("html", "md"):
         raise InputError("--format", f"'{fmt}' is not one of html, md")
+    if complete_record(run_dir, ("compare", "mmlu", "diagnose"))["command"] == "diagnose":
+        result = read_diagnose(run_dir)
+        return diagnose_html(result) if fmt == "html" else diagnose_markdown(result)
     return render_report(read_run(run_dir), fmt)

@@ -11,6 +11,7 @@ run.json is the run record: the command, its arguments, the fingerprint (runfold
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,8 +102,9 @@ def table_files(result: CompareResult | MmluResult) -> dict[str, bytes]:
 # ---- reading a run folder back --------------------------------------------------------------------------
 
 
-def complete_record(run_dir: str | Path) -> dict:
-    """run.json of a complete run folder; InputError for anything else, saying how to finish a partial run."""
+def complete_record(run_dir: str | Path, commands: tuple[str, ...] = ("compare", "mmlu")) -> dict:
+    """run.json of a complete run folder of one of `commands`; InputError for anything else, saying how to finish a
+    partial run."""
     run_dir = Path(run_dir)
     partial = run_dir.with_name(run_dir.name + ".partial")
     if not run_dir.exists():
@@ -116,9 +118,9 @@ def complete_record(run_dir: str | Path) -> dict:
     if record.get("status") != "complete":
         raise InputError(run_dir, "a partial run (no completion record in run.json): run the command that started "
                          "it again (its arguments are in run.json) to resume it")
-    if record.get("command") not in ("compare", "mmlu"):
-        raise InputError(run_dir / "run.json", f"a {record.get('command')!r} run has no report (expected a compare "
-                         "or an mmlu run)", key="command")
+    if record.get("command") not in commands:
+        raise InputError(run_dir / "run.json", f"a {record.get('command')!r} run, expected a run of "
+                         f"{' or '.join(commands)}", key="command")
     return record
 
 
@@ -208,26 +210,14 @@ class DiagnoseResult:
 
 def diagnose_table_files(result: DiagnoseResult) -> dict[str, bytes]:
     """layers.csv, modules.csv and diagnose.json of a diagnose run folder."""
-    import json
-
     diagnosis = (json.dumps(result.record, indent=2, default=str) + "\n").encode("utf-8")
     return {"layers.csv": _csv(result.layers), "modules.csv": _csv(result.modules), "diagnose.json": diagnosis}
 
 
 def read_diagnose(run_dir: str | Path) -> DiagnoseResult:
     """A complete diagnose run folder as a DiagnoseResult: its tables, diagnose.json and run.json as saved."""
-    import json
-
     run_dir = Path(run_dir)
-    partial = run_dir.with_name(run_dir.name + ".partial")
-    if not run_dir.is_dir():
-        if partial.is_dir():
-            raise InputError(run_dir, f"the run is not finished: its parts are in {partial}; run the command that "
-                             "started it again to resume")
-        raise InputError(run_dir, "run folder not found")
-    record = read_record(run_dir)
-    if record.get("status") != "complete" or record.get("command") != "diagnose":
-        raise InputError(run_dir / "run.json", "not a complete diagnose run", key="command")
+    record = complete_record(run_dir, ("diagnose",))
     layers = _require(_read_csv(run_dir / "layers.csv", ["adapter", "point"]), run_dir / "layers.csv",
                       DIAGNOSE_LAYER_COLUMNS)
     modules = _require(_read_csv(run_dir / "modules.csv", ["adapter", "module"]), run_dir / "modules.csv",

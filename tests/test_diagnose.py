@@ -275,6 +275,9 @@ def test_cli_writes_the_run_folder_reuses_it_and_refuses_bad_input(art, tmp_path
     assert saved.record == diagnosis and saved.run == run
     for name, data in diagnose_report_files(saved).items():  # the reports come from the saved files alone
         assert data == (out / name).read_bytes(), name
+    for fmt, name in (("html", "diagnose.html"), ("md", "diagnose.md")):  # lora-eval report renders them too
+        rendered = run_cli("report", out, "--format", fmt)
+        assert rendered.exit_code == 0 and rendered.stdout_bytes == (out / name).read_bytes(), (fmt, rendered.stderr)
 
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir()}
     again = run_cli(*args)
