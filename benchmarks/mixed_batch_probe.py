@@ -23,6 +23,7 @@ import torch
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
+from lora_eval.forward import Forward
 from lora_eval.kernels import fused_moe
 from lora_eval.models import load_model
 from tests.builders import random_sequences, save_random_model
@@ -41,6 +42,29 @@ def configs_without(switch: str | None) -> dict:
     if switch == "all":
         return {k: dataclasses.replace(c, **{s: False for s in SWITCHES}) for k, c in fused_moe.CONFIGS.items()}
     return {k: dataclasses.replace(c, **{switch: False}) for k, c in fused_moe.CONFIGS.items()}
+
+
+def first_difference(engine, plain, seqs, tags) -> str:
+    """Both engines' forwards of one batch under the probe: the first (layer, point), in the order the forward
+    reports them, where the positions of rows without adapter differ, with the largest difference there."""
+    seen = {}
+    L = max(len(s) for s in seqs)
+    mask = torch.zeros(len(seqs), L, dtype=torch.bool)
+    for i, (s, t) in enumerate(zip(seqs, tags)):
+        mask[i, :len(s)] = t is None
+    mask = mask.reshape(-1)  # [B * L]
+    for name, e, row_tags in (("mixed", engine, tags), ("alone", plain, [None] * len(seqs))):
+        seen[name] = []
+        Forward.probe = staticmethod(  # every Forward of the batch reports to it (a class attribute: not bound)
+            lambda layer, point, t, out=seen[name]: out.append((layer, point, t.detach().float().cpu())))
+        try:
+            e.logprobs(Batch(seqs, row_tags))
+        finally:
+            Forward.probe = None
+    for (layer, point, a), (_, _, b) in zip(seen["mixed"], seen["alone"]):
+        if a.shape[0] == mask.shape[0] and not torch.equal(a[mask], b[mask]):
+            return f"layer {layer} {point}: max |d| {(a[mask] - b[mask]).abs().max().item():.3g}"
+    return "no probed point differs (the difference is after the last layer: norm, lm_head, log-softmax)"
 
 
 def main():
@@ -70,7 +94,7 @@ def main():
                 engine = Engine(model, [load_adapter(adapter_dirs[n], n, model) for n in names],
                                 cuda_graphs=args.graphs) if names else Engine(model, [], cuda_graphs=args.graphs)
                 plain = Engine(model, [], cuda_graphs=args.graphs)  # the same settings, no adapters
-                bad_batches, bad_rows, max_diff, t0 = 0, 0, 0.0, time.perf_counter()
+                bad_batches, bad_rows, max_diff, t0, where = 0, 0, 0.0, time.perf_counter(), "-"
                 for seed in batch_seeds:
                     seqs = random_sequences(8, VOCAB, seed=seed, max_len=40)
                     tags = [names[i // 2 % len(names)] if names and i % 2 == 0 else None for i in range(8)]
@@ -78,12 +102,14 @@ def main():
                     alone = plain.logprobs(Batch(seqs, [None] * 8))
                     diffs = [(a - b).abs().max().item() for t, a, b in zip(tags, mixed, alone) if t is None]
                     bad = sum(d > 0 for d in diffs)
+                    if bad and where == "-" and not args.graphs:
+                        where = first_difference(engine, plain, seqs, tags)
                     bad_batches += bad > 0
                     bad_rows += bad
                     max_diff = max(max_diff, *diffs)
                 row = dict(session_seed=session_seed, adapters=adapter_set, switched_off=switch or "-",
                            batches=len(batch_seeds), bad_batches=bad_batches, bad_rows=bad_rows, max_abs_diff=max_diff,
-                           seconds=round(time.perf_counter() - t0, 1), graphs=args.graphs)
+                           first_difference=where, seconds=round(time.perf_counter() - t0, 1), graphs=args.graphs)
                 rows.append(row)
                 print(row, flush=True)
                 del engine, plain
