@@ -46,20 +46,48 @@ def token_metrics(d: np.ndarray) -> dict[str, float]:
 
 
 def group_metrics(tokens: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    """One row per group of `tokens` (columns: by..., d, and sampler_d when known): counts and metrics."""
-    rows = []
-    groups = tokens.groupby(by, sort=False, dropna=False) if by else [((), tokens)]
-    for key, group in groups:  # a group whose tokens are all masked out keeps its row, with NaN metrics
-        key = key if isinstance(key, tuple) else (key,)
-        group = group[group["mask"]]
-        row = dict(zip(by, key))
-        row.update(n_samples=group["sample_id"].nunique(), n_tokens=len(group))
-        row.update(token_metrics(group["d"].to_numpy()))
-        if "sampler_d" in group and group["sampler_d"].notna().any():
-            sampler = token_metrics(group["sampler_d"].dropna().to_numpy())
-            row.update({f"sampler_{k}": v for k, v in sampler.items()})
-        rows.append(row)
-    return pd.DataFrame(rows)
+    """One row per group of `tokens` (columns: by..., d, and sampler_d when known), in the order the groups first
+    appear: counts and the metrics of token_metrics over the group's masked tokens (NaN where there are none),
+    computed for all groups at once (sums per group with np.bincount: a million tokens in a fraction of a second)."""
+    if by:
+        codes = tokens.groupby(by, sort=False, dropna=False).ngroup().to_numpy()  # [N] group of each token
+        first = ~pd.Series(codes).duplicated().to_numpy()  # [N] a group's first token
+        frame = tokens.loc[first, by].reset_index(drop=True)  # [G] the groups' keys, in code order
+    else:
+        codes = np.zeros(len(tokens), dtype=np.int64)
+        frame = pd.DataFrame(index=range(1))
+    groups = len(frame)
+    masked = tokens["mask"].to_numpy(dtype=bool)  # [N]
+    samples = pd.DataFrame(dict(group=codes[masked], sample=tokens["sample_id"].to_numpy()[masked]))
+    frame["n_samples"] = np.bincount(samples.drop_duplicates()["group"], minlength=groups)
+    frame["n_tokens"] = np.bincount(codes[masked], minlength=groups)
+    for name, value in _grouped_metrics(codes[masked], tokens["d"].to_numpy(np.float64)[masked], groups).items():
+        frame[name] = value
+    if "sampler_d" in tokens:
+        sampler = tokens["sampler_d"].to_numpy(np.float64)
+        known = masked & ~np.isnan(sampler)  # [N]
+        if known.any():
+            for name, value in _grouped_metrics(codes[known], sampler[known], groups).items():
+                frame[f"sampler_{name}"] = value
+    return frame
+
+
+def _grouped_metrics(codes: np.ndarray, d: np.ndarray, groups: int) -> dict[str, np.ndarray]:
+    """token_metrics of every group at once: codes [n] group of each difference d [n] (float64) -> metric ->
+    [groups], NaN for a group without differences."""
+    count = np.bincount(codes, minlength=groups).astype(np.float64)  # [G]
+    a = np.abs(d)  # [n]
+
+    def mean(values):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.bincount(codes, weights=values, minlength=groups) / count  # [G], NaN where count is 0
+
+    largest = np.full(groups, -np.inf)
+    np.maximum.at(largest, codes, a)
+    out = dict(mean_abs_diff=mean(a), max_abs_diff=np.where(count > 0, largest, np.nan), k1=mean(-d),
+               k2=mean(d * d / 2), k3=mean(np.expm1(d) - d), mult_prob_error=mean(np.exp(a)))
+    out.update({f"frac_gt_{t:g}": mean((a > t).astype(np.float64)) for t in FRACTION_THRESHOLDS})
+    return out
 
 
 def check_thresholds(summary: pd.DataFrame, max_k2: float | None, max_mean_abs_diff: float | None,
