@@ -12,13 +12,13 @@ from .errors import InputError
 def load_tokenizer(model_dir: str | Path, needed_for: str | None = None):
     """The model folder's tokenizer. Without `needed_for`, None when the folder has none or it cannot be read;
     with it (e.g. "mmlu"), an InputError naming the folder and what needs it."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     model_dir = Path(model_dir)
     if needed_for is None and not any((model_dir / name).is_file()
                                       for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
+        return None  # (before importing transformers' tokenizers: that alone takes ~1.6 s)
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
