@@ -1,7 +1,7 @@
 """Expert parallel (lora_eval/expert_parallel.py), on the CPU with gloo.
 
-1. every MoE family, with PEFT all-linear adapters and (on Qwen3-MoE) every hand-written expert layout, mixed adapter
-   and base rows: logprobs of 2 and 4 processes, each holding its share of the experts, within 1e-5 of one process
+1. every MoE family (and DeepSeek-V3 as a block-FP8 release), with PEFT all-linear adapters and (on Qwen3-MoE) every
+   hand-written expert layout, mixed adapter and base rows: logprobs of 2 and 4 processes, each holding its share of the experts, within 1e-5 of one process
    in float32 (an uneven split: 6 experts over 4 ranks); and the GPU's Triton path (in the interpreter) the same;
 2. `torchrun ... lora-eval compare --expert-parallel` on the demo: the same within 1e-5; without torchrun it is
    refused by name;
@@ -29,7 +29,7 @@ from lora_eval import Batch, Engine, EngineOptions
 from lora_eval.checkpoint import TensorDict, TensorFiles
 from lora_eval.cli import cli
 from lora_eval.expert_parallel import ExpertShard, shares
-from tests.builders import random_sequences, save_random_model, save_random_peft_adapter, \
+from tests.builders import random_sequences, save_quantized_copy, save_random_model, save_random_peft_adapter, \
     save_random_peft_adapter_any, write_expert_adapter
 from tests.cli_checks import assert_input_error
 from tests.conftest import CPU, MOE_OVERRIDES
@@ -53,6 +53,14 @@ def cases(tmp_path_factory, session_seed):
         peft = save_random_peft_adapter_any if family == "qwen3_vl_moe" else save_random_peft_adapter
         found.append((family, model, {"peft": peft(model, root / f"{family}-peft", seed=session_seed + 50 + i, r=4,
                                                    lora_alpha=8, target_modules="all-linear")}))
+    # a block-FP8 release (DeepSeek-V3's format: per-expert weights with their weight_scale_inv): a rank dequantises
+    # only its experts' blocks
+    deepseek = next(m for name, m, _ in found if name == "deepseek_v3")
+    fp8, plain, _ = save_quantized_copy(deepseek, root / "deepseek_v3-fp8", root / "deepseek_v3-fp8-plain", "fp8", [],
+                                        block=(16, 16))
+    found.append(("deepseek_v3 fp8", fp8, {"peft": save_random_peft_adapter(plain, root / "deepseek_v3-fp8-peft",
+                                                                            seed=session_seed + 70, r=4, lora_alpha=8,
+                                                                            target_modules="all-linear")}))
     model = found[0][1]
     found.append(("qwen3_moe layouts", model, {
         layout: write_expert_adapter(model, root / layout, layout=layout, shared_outer=shared, seed=session_seed + j,
