@@ -10,6 +10,8 @@
 #   ep  expert parallel: a Qwen3-235B-A22B-shaped checkpoint of EP_LAYERS layers (18: 92 GB in bf16, more than one
 #       H100 holds) written layer by layer, compare and an MMLU subset with --expert-parallel; then the first
 #       EP_AGREE_LAYERS (8) layers of the same checkpoint on one GPU and with --expert-parallel, logprobs side by side.
+#       EP_FP8=1 writes it in block FP8 as Qwen's FP8 releases (half the disk; on H200s, 32 layers dequantise to 162 GB,
+#       more than one H200 (150.8 GB) holds, in 80 GB of the 128 GB disk: EP_FP8=1 EP_LAYERS=32).
 # CONFIG_DIR holds the two configs (default benchmarks/configs); WRITE_ARGS and DEVICE_ARGS go to write_checkpoint.py
 # and to every lora-eval command (a dry run on the CPU: fake nvidia-smi, tiny configs, "--device cpu").
 # WORK is where the checkpoints go (default /tmp/lora-eval-multi; the dp checkpoint is removed before ep's).
@@ -82,7 +84,7 @@ fi
 if [[ " ${STEPS:-dp ep} " == *" ep "* ]]; then
   EP=$WORK/ep
   AGREE=${EP_AGREE_LAYERS:-8}
-  [ -f "$EP/reference.parquet" ] || timeout 500 python3 benchmarks/write_checkpoint.py --streamed \
+  [ -f "$EP/reference.parquet" ] || timeout 500 python3 benchmarks/write_checkpoint.py --streamed ${EP_FP8:+--fp8} \
       --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-235B-A22B.json" ${WRITE_ARGS:-} --layers "${EP_LAYERS:-18}" --samples "${EP_SAMPLES:-256}" \
       --tokenizer-from "$MMLU" --out "$EP" 2>&1 | tail -n 2 | tee "$RES/ep_write.log"
   du -sh "$EP/model" | tee -a "$RES/ep_write.log"

@@ -31,6 +31,8 @@ def main():
     parser.add_argument("--mxfp4", action="store_true", help="experts in MXFP4 as gpt-oss releases them")
     parser.add_argument("--streamed", action="store_true",
                         help="draw and write one decoder layer at a time (models larger than the device)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="with --streamed: block-FP8 as Qwen's FP8 releases store Qwen3-MoE (per-expert keys)")
     parser.add_argument("--tokenizer-from", default=None, metavar="MMLU_DIR",
                         help="also a 32k byte-level BPE trained on this MMLU release's text (for lora-eval mmlu)")
     parser.add_argument("--first-layers-of", default=None, metavar="DIR",
@@ -45,7 +47,7 @@ def main():
     if args.mxfp4 and (quantization or {}).get("quant_method") != "mxfp4":
         parser.error(f"--mxfp4 needs a config with an mxfp4 quantization_config; {args.config} has {quantization}")
     if args.streamed:
-        save_streamed(config, out, torch.device(args.device))
+        save_streamed(config, out, torch.device(args.device), fp8=args.fp8)
     else:
         hf = random_hf_model(config, torch.bfloat16, torch.device(args.device), seed=0)
         if args.mxfp4:
@@ -114,11 +116,14 @@ def save_mxfp4(hf, out: Path, quantization: dict) -> None:
     (out / "config.json").write_text(json.dumps({**hf.config.to_dict(), "quantization_config": quantization}))
 
 
-def save_streamed(config: dict, out: Path, device: torch.device) -> None:
+def save_streamed(config: dict, out: Path, device: torch.device, fp8: bool = False) -> None:
     """The checkpoint and adapter of `config` without ever holding the model: a one-layer model gives the tensors
     outside the layers, each layer's names and shapes and the PEFT adapter's; each decoder layer is then drawn on
     `device` (bench.randomise_weights' distributions) and written as its own shard, and the adapter's layer-0
-    factors are drawn again for every layer. Every layer must have the same tensors (all-MoE configs)."""
+    factors are drawn again for every layer. Every layer must have the same tensors (all-MoE configs).
+    `fp8`: as Qwen's block-FP8 releases store a Qwen3-MoE — experts per expert (`experts.{e}.gate_proj.weight` ...),
+    every projection's weight float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block; embeddings,
+    norms, routers and lm_head in bf16; the release's quantization_config."""
     from safetensors.torch import load_file, save_file
 
     layers = config["num_hidden_layers"]
@@ -133,12 +138,18 @@ def save_streamed(config: dict, out: Path, device: torch.device) -> None:
     generator = torch.Generator(device=device).manual_seed(1)
     for i in range(layers):
         name = f"model-layer-{i:03d}.safetensors"
-        shard = {key.replace("model.layers.0.", f"model.layers.{i}.", 1): redraw(key, value, generator).cpu()
+        shard = {key.replace("model.layers.0.", f"model.layers.{i}.", 1): redraw(key, value, generator)
                  for key, value in first.items()}
+        shard = {k: v.cpu() for k, v in (fp8_layer(shard) if fp8 else shard).items()}
         save_file(shard, str(model_dir / name), metadata={"format": "pt"})
         weight_map.update({key: name for key in shard})
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (model_dir / "config.json").write_text(json.dumps({**hf.config.to_dict(), "num_hidden_layers": layers}))
+    config_json = {**hf.config.to_dict(), "num_hidden_layers": layers}
+    if fp8:
+        config_json["quantization_config"] = dict(
+            quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[FP8_BLOCK, FP8_BLOCK],
+            modules_to_not_convert=["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(layers)])
+    (model_dir / "config.json").write_text(json.dumps(config_json))
     peft_model, _ = make_peft_adapters(hf, ["adapter"], 16, "all", seed=0)
     peft_model.save_pretrained(out / "peft")
     del peft_model, hf
@@ -176,6 +187,39 @@ def first_layers(src: Path, out: Path, layers: int) -> None:
     (out / "reference.parquet").unlink(missing_ok=True)
     (out / "reference.parquet").symlink_to((src / "reference.parquet").resolve())
     print(f"wrote {out}/model: the first {layers} layers of {src}/model")
+
+
+FP8_BLOCK, FP8_MAX = 128, 448.0
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (multiples of FP8_BLOCK) -> float8_e4m3fn [out, in] and float32 weight_scale_inv [out/128, in/128]:
+    each block divided by its largest magnitude / 448 (tests/builders.py quantize_fp8_blocks, vectorised)."""
+    out, inp = w.shape
+    b = FP8_BLOCK
+    blocks = w.float().reshape(out // b, b, inp // b, b)  # [out/b, b, in/b, b]
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX  # [out/b, 1, in/b, 1]
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(out, inp)
+    return q, scale.reshape(out // b, inp // b)
+
+
+def fp8_layer(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One Qwen3-MoE layer's tensors (transformers 5's names) as a block-FP8 release stores them: the fused experts
+    split per expert (gate_up [E, 2I, H]: gate rows first), every projection weight quantized; the rest as given."""
+    stored = {}
+    for key, w in tensors.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            half = w.shape[1] // 2
+            stored.update({f"{key.removesuffix('gate_up_proj')}{e}.{name}.weight": part
+                           for e in range(w.shape[0]) for name, part in (("gate_proj", w[e, :half]),
+                                                                        ("up_proj", w[e, half:]))})
+        elif key.endswith("mlp.experts.down_proj"):
+            stored.update({f"{key.removesuffix('down_proj')}{e}.down_proj.weight": w[e] for e in range(w.shape[0])})
+        else:
+            stored[key] = w
+    for key in [k for k, w in stored.items() if k.endswith("proj.weight") and w.ndim == 2]:
+        stored[key], stored[key.removesuffix("weight") + "weight_scale_inv"] = fp8_blocks(stored[key])
+    return stored
 
 
 def redraw(name: str, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
