@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -116,6 +117,13 @@ def graph_options(command):
                            "it, or beyond the largest bucket, run eagerly.")(command)
     return click.option("--no-cuda-graphs", is_flag=True,
                         help="Run every batch eagerly on the GPU (the CPU never uses graphs).")(command)
+
+
+def prefix_option(command):
+    """--no-prefix-cache: for commands whose rows share leading tokens (lora_eval/prefixes.py)."""
+    return click.option("--no-prefix-cache", is_flag=True,
+                        help="Run every prompt whole instead of computing leading tokens that rows share once per "
+                        "(prefix, adapter).")(command)
 
 
 def run_options(command):
@@ -242,16 +250,17 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
               help="Also write JUnit XML here: one testcase per adapter x threshold or gate.")
 @device_options
 @graph_options
+@prefix_option
 @run_options
 def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
                 no_adapter_check, junit_path, device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets,
-                max_graph_memory, expert_parallel, overwrite, quiet):
+                max_graph_memory, expert_parallel, no_prefix_cache, overwrite, quiet):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed or a gate fails (an
     adapter that changes nothing). A run into a folder that holds this very run prints its summary; a killed run
     resumes where it stopped."""
     check_out(junit_path, "--junit", single_file=True)
-    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
-                             expert_parallel)
+    options = replace(engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
+                                     expert_parallel), prefix_cache=not no_prefix_cache)
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                      options=options, batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
                      max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
@@ -278,14 +287,15 @@ def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_
               help="Also write JUnit XML here: one testcase per adapter for --max-drop.")
 @device_options
 @graph_options
+@prefix_option
 @run_options
 def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
              device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, expert_parallel,
-             overwrite, quiet):
+             no_prefix_cache, overwrite, quiet):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
     check_out(junit_path, "--junit", single_file=True)
-    options = engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
-                             expert_parallel)
+    options = replace(engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
+                                     expert_parallel), prefix_cache=not no_prefix_cache)
     result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
                   subjects=subjects, limit=limit, max_drop=max_drop, options=options, batch_tokens=batch_tokens,
                   quiet=quiet, overwrite=overwrite, notice=notice)
@@ -309,7 +319,8 @@ def demo(out, quiet):
 @click.option("--out", "out_path", default="-", type=click.Path(dir_okay=False, allow_dash=True),
               help="File to write; default: standard output.")
 def report(run_dir, fmt, out_path):
-    """Re-render a complete run folder's report (compare or mmlu) from its saved files, without recomputing."""
+    """Re-render a complete run folder's report (compare, mmlu or diagnose) from its saved files, without
+    recomputing."""
     if out_path != "-":
         check_out(out_path, "--out", single_file=True)
     data = render(run_dir, fmt).encode("utf-8")

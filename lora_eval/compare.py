@@ -5,6 +5,15 @@ length under a token budget (adapters mixed in a batch), run the batches as resu
 turn the differences into the metrics of `metrics.py`. The adapter applied gate's base re-runs of a sample of each
 adapter's rows are further units of the same work, so they are checkpointed, resumed and shared out over data
 parallel ranks like the batches; its static facts come from the adapters' factors, read before the model loads.
+
+Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): samples of one adapter that
+begin with the same token ids (an RL group's N completions of one prompt, a common system prompt; at least
+MIN_SHARED_TOKENS of them) are found from the ids alone (prefixes.shared_prefix_lengths) and compute those tokens
+once per (prefix, adapter): `Batch.prefixes` names all but the last shared token, whose position the prefix pass
+predicts from, so each row's logprobs are the prefix's (shared) followed by its suffix's. Batches then take a
+group's samples together (by length inside it). The gate's base re-runs use the same prefixes under the base model,
+so that an adapter that changes nothing gives the base model's numbers bit for bit on the CPU, as without prefixes.
+Under expert parallel prefixes are off (a prefix pass is a forward one rank would run alone).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from .inputs import adapter_names, model_config, positive_int, threshold
 from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
 from .names import BASE, OVERALL
 from .plan import check_fits
+from .prefixes import MIN_SHARED_TOKENS, batches_in_order, grouped_order, shared_prefix_lengths
 from .references import read_reference
 from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, no_gates, read_run,
@@ -80,18 +90,25 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         parsed = None if engine is not None else read_adapters(model, adapters, options)
         static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
         lengths = [len(ids) for ids in refs["input_ids"]]
-        batches = make_batches(lengths, batch_tokens)
+        use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
+        if options.prefix_cache and options.expert_parallel:
+            notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every "
+                   "forward); full samples run")
+        prefix, group = sample_prefixes(refs) if use_prefixes else ([0] * len(refs), [0] * len(refs))
+        suffix = [n - p for n, p in zip(lengths, prefix)]  # tokens a row runs itself
+        batches = batches_in_order(grouped_order(suffix, group), suffix, batch_tokens) if use_prefixes \
+            else make_batches(lengths, batch_tokens)
         # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)
         sampled = gate_sample(refs, list(adapters)) if check_adapters else {}
         gate_rows = [i for rows in sampled.values() for i in rows]
-        gate_batches = [[gate_rows[j] for j in b] for b in make_batches([lengths[i] for i in gate_rows],
+        gate_batches = [[gate_rows[j] for j in b] for b in make_batches([suffix[i] for i in gate_rows],
                                                                            batch_tokens)]
         units = batches + gate_batches
         timings["read_s"] = time.perf_counter() - t0
         task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
                             max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
                             adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
-                            if check_adapters else None,
+                            if check_adapters else None, prefix_cache=use_prefixes,
                             engine="given" if engine is not None else "loaded")
         files = {**model_files(model), **adapter_files(adapters),
                  **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
@@ -105,7 +122,7 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         timings["load_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        with folder.work([sum(lengths[i] for i in b) for b in units], "compare", "tok", quiet,
+        with folder.work([sum(suffix[i] for i in b) for b in units], "compare", "tok", quiet,
                          lockstep=options.expert_parallel) as work:
             for u in work.steps(range(len(units))):
                 if u is None:
@@ -113,12 +130,17 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                     continue
                 rows = refs.iloc[units[u]]
                 tags = [a if isinstance(a, str) and u < len(batches) else None for a in rows["adapter"]]
-                logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags))
-                work.record(u, pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs])))
+                before = engine.tokens_computed
+                logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags,
+                                                 [prefix[i] for i in units[u]] if use_prefixes else None))
+                computed = [engine.tokens_computed - before] + [0] * (len(units[u]) - 1)  # the unit's, on its first row
+                work.record(u, pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs],
+                                                 tokens_computed=np.asarray(computed, dtype=np.int64))))
         timings["forward_s"] = time.perf_counter() - t0
 
         def merge(frames: dict[int, pd.DataFrame]) -> CompareResult:
             engine_lp, base_lp = [None] * len(refs), {}  # base_lp: the gate's base re-runs, by sample
+            tokens_computed = sum(int(f["tokens_computed"].sum()) for f in frames.values() if "tokens_computed" in f)
             for u, frame in frames.items():
                 for i, lp in zip(frame["sample"], frame["logprobs"]):
                     if u < len(batches):
@@ -152,7 +174,12 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             run = folder.run_record(
                 arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
                                                    ranks=ranks.world if ranks else 1),
-                timings=timings, work=work.stats(), batches=len(batches), padding_waste=padding_waste(lengths, batches),
+                timings=timings, work=work.stats(), batches=len(batches), padding_waste=padding_waste(suffix, batches),
+                tokens_computed=tokens_computed, tokens_full_prompts=sum(lengths[i] for b in units for i in b),
+                prefix_cache=dict(enabled=use_prefixes, min_shared_tokens=MIN_SHARED_TOKENS,
+                                  rows_with_prefix=sum(1 for p in prefix if p),
+                                  computed_share=tokens_computed / max(sum(lengths[i] for b in units for i in b), 1),
+                                  this_process=engine.prefix_stats()),
                 tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9), gates=gate_record,
                 quantization=engine.model.args.quantization, tokenizer=str(model) if tokenizer else None,
                 cuda_graphs=engine.graph_stats())
@@ -162,6 +189,23 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             return result
 
         return folder.finish(work, merge, lambda: read_run(out))
+
+
+def sample_prefixes(refs: pd.DataFrame, min_shared: int = MIN_SHARED_TOKENS) -> tuple[list[int], list]:
+    """Per sample, the shared prefix it names to the engine (Batch.prefixes: the tokens it shares with its group but
+    the last, 0 for none) and a sortable group key that keeps a group's samples together. Groups are found among
+    the samples of one adapter (a prefix is computed per adapter): prefixes.shared_prefix_lengths."""
+    prefix, group = [0] * len(refs), [("",)] * len(refs)
+    tags = ["" if not isinstance(a, str) else f"={a}" for a in refs["adapter"]]
+    ids = list(refs["input_ids"])
+    for tag in sorted(set(tags)):
+        members = [i for i, t in enumerate(tags) if t == tag]
+        shared = shared_prefix_lengths([list(ids[i]) for i in members], min_shared)
+        for i, c in zip(members, shared):
+            if c:
+                prefix[i] = c - 1
+                group[i] = (tag, tuple(ids[i][:c]))
+    return prefix, group
 
 
 # ---- the adapter applied gate -----------------------------------------------------------------------------

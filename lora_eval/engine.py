@@ -4,6 +4,10 @@ A batch is a list of token sequences, each with the adapter it runs under (None 
 is, per sequence, float32 `lp[i] = log p(ids[i+1] | ids[:i+1])`. Rows are right-padded into one [B, L]
 forward; logits are computed for a bounded number of positions at a time, so the [tokens, vocab] matrix
 never exists for the whole batch. A row with no adapter gets exactly the base model's numbers.
+
+A row may name leading tokens it shares with other rows (`Batch.prefixes`): they are computed once per (prefix,
+adapter), alone, and kept in a bounded cache (`prefixes.PrefixCache`), and the row runs only its suffix
+(lora_eval/prefixes.py says why and how; `tokens_computed` counts every position run, prefix passes included).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from .errors import InputError
 from .expert_parallel import ExpertParallel
 from .forward import BACKENDS, Forward
 from .models import load_model
+from .prefixes import PREFIX_CACHE_BYTES, PrefixCache, PrefixKV
 from .runners.graphs import BucketPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +40,11 @@ class EngineOptions:
     cuda, float32 on cpu) or a DTYPES name. backend: "torch" or "triton" (None: triton on cuda). gate_up_layout: the
     row order of fused 3D gate_up LoRA where the files do not fix it (adapters/load.py). cuda_graphs: replay
     captured forwards on a GPU, at most graph_buckets graphs and max_graph_memory bytes of pool (runners/graphs.py).
-    expert_parallel: the routed experts spread over the ranks of a torchrun job (expert_parallel.py)."""
+    expert_parallel: the routed experts spread over the ranks of a torchrun job (expert_parallel.py).
+    prefix_cache: tasks (compare, mmlu) name rows' shared leading tokens so that the engine computes them once per
+    (prefix, adapter) (prefixes.py); off: every row runs its whole prompt. prefix_cache_memory: bytes of computed
+    prefixes (keys, values, logprobs) the engine keeps at most, least recently used evicted first. Neither is in
+    `record()`: the tasks put what they used into their fingerprints."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -45,6 +54,8 @@ class EngineOptions:
     graph_buckets: int = 32
     max_graph_memory: int | None = None
     expert_parallel: bool = False
+    prefix_cache: bool = True
+    prefix_cache_memory: int = PREFIX_CACHE_BYTES
 
     def resolved(self) -> "EngineOptions":
         """The same options with "auto" replaced by what this machine gives; InputError on a bad value."""
@@ -89,12 +100,24 @@ def read_adapters(model_dir: str | Path, adapters: dict[str, str | Path] | None,
 
 @dataclass
 class Batch:
+    """`prefixes`: per row, how many of its leading tokens are a prefix it shares with other rows (0: none; None:
+    no row has one). The engine computes such a prefix once per (prefix tokens, adapter) and runs only the rest of
+    the row (lora_eval/prefixes.py); what comes back is what the whole row gives, equal within rounding. A prefix
+    must leave at least one token of its row."""
     input_ids: list[list[int]]
     adapters: list[str | None]  # one per row; None = base model
+    prefixes: list[int] | None = None
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.adapters):
             raise ValueError(f"{len(self.input_ids)} sequences but {len(self.adapters)} adapter tags")
+        if self.prefixes is not None:
+            if len(self.prefixes) != len(self.input_ids):
+                raise ValueError(f"{len(self.input_ids)} sequences but {len(self.prefixes)} prefix lengths")
+            for i, (p, ids) in enumerate(zip(self.prefixes, self.input_ids)):
+                if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(ids):
+                    raise InputError(f"row {i}", f"a shared prefix must be an integer from 0 to the row's length "
+                                     f"minus 1 ({len(ids) - 1}), found {p!r}")
 
 
 class Engine:
@@ -102,8 +125,11 @@ class Engine:
     Triton kernels; the default on CUDA)."""
 
     def __init__(self, model, adapters=(), backend: str | None = None, logits_budget: int = LOGITS_BUDGET,
-                 cuda_graphs: bool = True, graph_plan: BucketPlan | None = None, expert_parallel=None):
+                 cuda_graphs: bool = True, graph_plan: BucketPlan | None = None, expert_parallel=None,
+                 prefix_cache_memory: int = PREFIX_CACHE_BYTES):
         self.model = model
+        self.prefix_cache = PrefixCache(prefix_cache_memory)  # computed prefixes (Batch.prefixes)
+        self.tokens_computed = 0  # token positions run through the model (no padding), prefixes included
         self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel: experts over the ranks
         self.adapters = list(adapters)
         self.stack = AdapterStack(self.adapters, model) if self.adapters else None
@@ -134,7 +160,7 @@ class Engine:
         model = load_model(model_dir, dtype=DTYPES[options.dtype], device=options.device, experts=spread)
         plan = BucketPlan(max_buckets=options.graph_buckets, max_memory=options.max_graph_memory)
         return cls(model, adapters, backend=options.backend, cuda_graphs=options.cuda_graphs, graph_plan=plan,
-                   expert_parallel=spread)
+                   expert_parallel=spread, prefix_cache_memory=options.prefix_cache_memory)
 
     def stand_in(self) -> None:
         """A two-token batch whose result nobody reads: under expert parallel, this rank's part in a step where it
@@ -147,30 +173,68 @@ class Engine:
 
     @torch.inference_mode()
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
-        """Per row, float32 logprobs [len-1] of each next token, on the CPU."""
-        device = self.model.inv_freq.device
+        """Per row, float32 logprobs [len-1] of each next token, on the CPU. A row with a shared prefix of p tokens
+        (Batch.prefixes) takes lp[0..p-1] from its prefix's pass (over its first p + 1 tokens, computed once per
+        those tokens and adapter) and the rest from a pass over tokens p.. only."""
         vocab = self.model.args.vocab_size
         slots = [self._slot(name, i) for i, name in enumerate(batch.adapters)]
-        lengths = []
         for i, ids in enumerate(batch.input_ids):
             if len(ids) < 2:
                 raise InputError(f"row {i}", f"a sequence needs at least 2 tokens, found {len(ids)}")
             if min(ids) < 0 or max(ids) >= vocab:
                 bad = next(t for t in ids if not 0 <= t < vocab)
                 raise InputError(f"row {i}", f"token id {bad} is outside the vocabulary [0, {vocab})")
-            lengths.append(len(ids))
-        hidden, L, with_lora = self._forward(batch.input_ids, slots)  # [B'*L, H]
+        if not batch.prefixes or not any(batch.prefixes):
+            return self._logprobs(batch.input_ids, slots)
+        entries = self._prefix_entries(batch, slots, with_logprobs=True)
+        rows = [ids if e is None else ids[e.length:] for ids, e in zip(batch.input_ids, entries)]
+        out = self._logprobs(rows, slots, entries)
+        return [lp if e is None else torch.cat([e.logprobs, lp]) for lp, e in zip(out, entries)]
+
+    def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool) -> list[PrefixKV | None]:
+        """Per row its prefix's PrefixKV (None without one), from the cache or computed now, alone (see prefixes.py
+        for why alone). Keyed by the adapter slot and the prefix's tokens — plus the token after them for logprobs,
+        which the prefix pass predicts."""
+        entries, held = [], {}
+        for ids, p, slot in zip(batch.input_ids, batch.prefixes, slots):
+            if not p:
+                entries.append(None)
+                continue
+            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]))
+            entry = held.get(key) or self.prefix_cache.get(key)
+            if entry is None:
+                kept = []
+                if with_logprobs:
+                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept))[0]  # [p]
+                else:
+                    self._forward([list(key[2])], [slot], capture=(p, kept))
+                    lp = None
+                entry = PrefixKV(p, kept, lp)
+                self.prefix_cache.put(key, entry, in_use=sum(e.nbytes for k, e in held.items()
+                                                             if k not in self.prefix_cache.entries))
+            held[key] = entry
+            entries.append(entry)
+        return entries
+
+    def _logprobs(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
+                  capture: tuple | None = None) -> list[torch.Tensor]:
+        """`logprobs` of checked rows (a row may be a single token: a suffix); `prefixes` per row PrefixKV or None;
+        `capture`: Forward's (a prefix pass)."""
+        device = self.model.inv_freq.device
+        vocab = self.model.args.vocab_size
+        lengths = [len(ids) for ids in input_ids]
+        hidden, L, with_lora = self._forward(input_ids, slots, prefixes, capture)  # [B'*L, H]
         fwd = _LazyForward(self, lengths, slots, L, with_lora)
         # positions whose next token exists, and that token
         rows = torch.cat([torch.arange(n - 1) + i * L for i, n in enumerate(lengths)])  # [N]
         rows_dev = rows.to(device)
-        targets = torch.tensor([t for row in batch.input_ids for t in row[1:]], device=device)  # [N]
+        targets = torch.tensor([t for row in input_ids for t in row[1:]], dtype=torch.long, device=device)  # [N]
         head = self.model.lm_head
         head_slots = set()  # adapters that change lm_head (LoRA or their own copy)
         for table in (self.stack.dense, self.stack.overrides) if with_lora else ():
             if "lm_head" in table:
                 head_slots |= table["lm_head"].slots
-        if self.backend == "triton":
+        if self.backend == "triton" and rows.numel():
             from .kernels.logprobs import token_logprobs
 
             out = token_logprobs(hidden[rows_dev], head.weight, targets, head.bias)  # [N], no [N, V] tensor
@@ -212,7 +276,14 @@ class Engine:
         if not lengths:
             return torch.empty(0, len(candidates))
         B = len(lengths)
-        hidden, L, with_lora = self._forward([[*ids, 0] for ids in batch.input_ids], slots)  # [B'*L, H]
+        entries = [None] * B
+        rows = batch.input_ids
+        if batch.prefixes and any(batch.prefixes):  # a shared prefix's keys and values, computed once (prefixes.py)
+            entries = self._prefix_entries(batch, slots, with_logprobs=False)
+            rows = [ids if e is None else ids[e.length:] for ids, e in zip(rows, entries)]
+            lengths = [len(ids) for ids in rows]
+        hidden, L, with_lora = self._forward([[*ids, 0] for ids in rows], slots, entries,
+                                             real=sum(lengths))  # [B'*L, H]
         fwd = _LazyForward(self, lengths, slots, L, with_lora)
         last = torch.tensor([i * L + n - 1 for i, n in enumerate(lengths)], device=device)  # [B] token rows
         wanted = torch.tensor(candidates, dtype=torch.long, device=device)  # [C]
@@ -224,31 +295,43 @@ class Engine:
             out[start:start + chunk] = torch.log_softmax(logits.float(), dim=-1)[:, wanted]  # [b, C]
         return out.cpu()
 
-    def _build(self, ids: torch.Tensor, token_slots: torch.Tensor, lora: bool, lengths: list[int] | None = None):
+    def _build(self, ids: torch.Tensor, token_slots: torch.Tensor, lora: bool, lengths: list[int] | None = None,
+               prefixes: list | None = None, capture: tuple | None = None):
         """The model's forward over device tensors: ids [B, L], token_slots [B*L] -> hidden [B*L, H]. What the
-        graph runner captures (every row at full length there: padding comes after the real positions)."""
+        graph runner captures (every row at full length there: padding comes after the real positions; graphs are
+        captured without prefixes or capture, which run eagerly)."""
         lengths = lengths or [ids.shape[1]] * ids.shape[0]
         fwd = Forward(self.backend, lengths, self.stack if lora else None, token_slots if lora else None,
-                      self.expert_parallel)
+                      self.expert_parallel, prefixes=prefixes, capture=capture)
         return self.model(ids, fwd)
 
-    def _forward(self, input_ids: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, int, bool]:
+    def _forward(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
+                 capture: tuple | None = None, real: int | None = None) -> tuple[torch.Tensor, int, bool]:
         """Rows right-padded with 0 to one length -> (hidden [B' * L', H], L', with_lora): replayed from a
-        captured graph when one fits (then B' >= B and L' >= L, the padded bucket), else eagerly."""
+        captured graph when one fits (then B' >= B and L' >= L, the padded bucket), else eagerly. `prefixes` (per
+        row a PrefixKV or None) and `capture` as Forward's: such forwards run eagerly (graphs hold no prefixes yet).
+        `real`: the token positions that count as computed (all of the rows' by default)."""
         lengths = [len(row) for row in input_ids]
+        self.tokens_computed += sum(lengths) if real is None else real
+        if prefixes is not None and all(p is None for p in prefixes):
+            prefixes = None
         B, L = len(lengths), max(lengths)
         ids = torch.zeros(B, L, dtype=torch.long)  # [B, L]
         for i, row in enumerate(input_ids):
             ids[i, :len(row)] = torch.tensor(row)
         # under expert parallel this rank's experts also serve other ranks' adapter rows
         with_lora = self.stack is not None and (max(slots) >= 0 or self.expert_parallel is not None)
-        if self.graphs is not None:
+        if self.graphs is not None and prefixes is None and capture is None:
             replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B)
             if replayed is not None:
                 return (*replayed, with_lora)
         device = self.model.inv_freq.device
         token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(L).to(device)  # [B*L]
-        return self._build(ids.to(device), token_slots, with_lora, lengths), L, with_lora
+        return self._build(ids.to(device), token_slots, with_lora, lengths, prefixes, capture), L, with_lora
+
+    def prefix_stats(self) -> dict:
+        """The prefix cache's figures (prefixes.PrefixCache.stats) and the token positions this engine computed."""
+        return dict(self.prefix_cache.stats(), tokens_computed=self.tokens_computed)
 
     def graph_stats(self) -> dict | None:
         """Captured graphs, their memory and how many batches replayed or ran eagerly; None without graphs."""

@@ -2,7 +2,8 @@
 Triton kernels (the GPU path) — and, when adapters are loaded, the adapter slot of each token row (-1 none).
 
 The model code calls `fwd.linear(module, x)`, `fwd.norm(...)`, `fwd.embedding(...)`, `fwd.moe(...)` and
-`fwd.attention(...)`; each adds the rows' adapter deltas (or swaps in an adapter's own weights, for
+`fwd.attention(...)` (and take token positions from `fwd.positions`, which continue after a row's cached prefix:
+see `Forward.__init__`); each adds the rows' adapter deltas (or swaps in an adapter's own weights, for
 modules_to_save) on top of the base op. The Triton path never syncs with the host.
 
 Observing intermediates (`lora-eval diagnose`): `Forward.probe`, None by default, may be set to a callable
@@ -38,10 +39,20 @@ class Forward:
     probe = None  # callable probe(layer, point, tensor) that sees intermediates (see the module notes), or None
 
     def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None,
-                 expert_parallel=None):
+                 expert_parallel=None, *, prefixes: list | None = None, capture: tuple[int, list] | None = None):
+        """`prefixes`: per row None or a cached prefix (lora_eval.prefixes.PrefixKV: its length and per attention
+        layer the keys and values of its positions): the row holds only the suffix; its positions start at the
+        prefix's length and each layer's attention sees the prefix's keys and values before the row's own.
+        `capture` = (n, list): each attention layer appends (k [nkv, n, Dk], v [nkv, n, Dv]) of the first n
+        positions of row 0 to the list (a prefix pass: one row). Layers are counted by their attention calls: every
+        family calls `attention` exactly once per decoder layer, in layer order, so the i-th call of a forward is
+        layer i's (one counter per Forward, which serves one forward)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend, self.lengths = backend, lengths
+        self.prefixes = prefixes if prefixes is not None and any(p is not None for p in prefixes) else None
+        self.capture = capture
+        self._attention_calls = 0
         self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
         self.stack = stack if token_slots is not None else None
@@ -60,6 +71,16 @@ class Forward:
         """The same pass restricted to some token rows (lm_head chunks)."""
         slots = self.token_slots[rows] if self.stack is not None else None
         return Forward(self.backend, self.lengths, self.stack, slots, self.expert_parallel)
+
+    def positions(self, B: int, L: int, device) -> torch.Tensor:
+        """Token positions [B, L] of a batch laid out at length L: 0..L-1, after a row's cached prefix when it has
+        one (RoPE then continues where the prefix ended). The one place the model families take positions from."""
+        positions = torch.arange(L, device=device).expand(B, L)  # [B, L]
+        if self.prefixes is None:
+            return positions
+        offsets = torch.tensor([0 if p is None else p.length for p in self.prefixes] + [0] * (B - len(self.prefixes)),
+                               device=device)  # [B]
+        return positions + offsets[:, None]
 
     # ---- observing (diagnose) -----------------------------------------------------------------------------
     def observe(self, where: int | str, point: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -315,7 +336,17 @@ class Forward:
                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """Causal attention over right-padded rows: q [B, nh, L, D], k/v [B, nkv, L, D] -> [B, nh, L, D].
         `sinks` [nh]: a learned logit per head in every softmax denominator; `window`: a query sees only the last
-        `window` positions, itself included (both GPT-OSS; computed by sink_attention)."""
+        `window` positions, itself included (both GPT-OSS; computed by sink_attention).
+        With cached prefixes (see __init__) each row attends to its prefix's keys and values, then its own; without
+        them this is the plain causal attention below."""
+        layer = self._attention_calls
+        self._attention_calls += 1
+        if self.capture is not None:
+            n, kept = self.capture
+            kept.append((k[0, :, :n].clone(memory_format=torch.contiguous_format),
+                         v[0, :, :n].clone(memory_format=torch.contiguous_format)))
+        if self.prefixes is not None:
+            return self._prefixed_attention(layer, q, k, v, scale, sinks, window)
         if sinks is not None or window is not None:
             if self.triton:  # plain torch over the padded batch until a fused kernel with sinks exists
                 return sink_attention(q, k, v, scale, sinks, window)
@@ -334,23 +365,75 @@ class Forward:
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
 
+    def _prefixed_attention(self, layer: int, q, k, v, scale: float, sinks, window) -> torch.Tensor:
+        """Attention of a batch some of whose rows continue a cached prefix: per row, over the prefix's keys and
+        values of this layer followed by the row's own, query i (at position prefix + i) seeing keys 0..prefix + i
+        (and only the last `window` of them; sinks as usual). The same per-row plain torch on both backends (the
+        Triton path's batched call has no place for a prefix; prefixed batches also run eagerly, without graphs).
+        Rows without a prefix compute exactly what the torch path computes for them. On the Triton path the rows of
+        one prefix (and those without) go in one call, at the padded length: right padding sits after every valid
+        position, so the causal mask with the prefix's offset keeps it out of every real query's view."""
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]
+        if self.triton:
+            groups: dict = {}
+            for b in range(len(self.lengths)):
+                prefix = self.prefixes[b] if b < len(self.prefixes) else None
+                groups.setdefault(id(prefix), (prefix, []))[1].append(b)
+            for prefix, rows in groups.values():
+                idx = torch.tensor(rows, device=q.device)  # [G]
+                qg, kg, vg = q[idx], k[idx], v[idx]  # [G, nh, L, D], [G, nkv, L, Dk], [G, nkv, L, Dv]
+                if prefix is not None:
+                    pk, pv = prefix.kv[layer]  # [nkv, P, Dk], [nkv, P, Dv]
+                    kg = torch.cat([pk[None].to(kg.dtype).expand(len(rows), -1, -1, -1), kg], dim=2)
+                    vg = torch.cat([pv[None].to(vg.dtype).expand(len(rows), -1, -1, -1), vg], dim=2)
+                out[idx] = row_attention(qg, kg, vg, scale, sinks, window, 0 if prefix is None else prefix.length)
+            return out
+        for b, n in enumerate(self.lengths):
+            prefix = self.prefixes[b] if b < len(self.prefixes) else None
+            qb, kb, vb = q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n]
+            offset = 0
+            if prefix is not None:
+                pk, pv = prefix.kv[layer]  # [nkv, P, Dk], [nkv, P, Dv]
+                kb = torch.cat([pk[None].to(kb.dtype), kb], dim=2)  # [1, nkv, P + n, Dk]
+                vb = torch.cat([pv[None].to(vb.dtype), vb], dim=2)  # [1, nkv, P + n, Dv]
+                offset = prefix.length
+            out[b, :, :n] = row_attention(qb, kb, vb, scale, sinks, window, offset)[0]
+        return out
+
+
+def row_attention(q, k, v, scale: float, sinks=None, window: int | None = None, offset: int = 0) -> torch.Tensor:
+    """Causal attention of rows whose n queries sit at positions offset..offset+n-1 over keys at 0..offset+n-1:
+    q [B, nh, n, D], k/v [B, nkv, offset + n, D] -> [B, nh, n, Dv]. One row at offset 0: what Forward.attention's
+    torch path computes for it."""
+    if sinks is not None or window is not None:
+        return sink_attention(q, k, v, scale, sinks, window, offset)
+    gqa = q.shape[1] != k.shape[1]
+    if offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    n, total = q.shape[2], k.shape[2]
+    allowed = torch.arange(total, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + offset
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)  # [1, nh, n, Dv]
+
 
 # ---- GPT-OSS ops in plain torch --------------------------------------------------------------------------
 SCORES_BUDGET = 1 << 24  # attention scores held at once by sink_attention (64 MiB in float32)
 
 
-def sink_attention(q, k, v, scale: float, sinks=None, window: int | None = None) -> torch.Tensor:
-    """Causal attention with optional sinks and sliding window, transformers' eager formula: q [B, nh, L, D],
-    k/v [B, nkv, L, D] -> [B, nh, L, D]. Queries go in chunks so that at most SCORES_BUDGET scores exist at once;
-    the softmax is taken in float32."""
-    B, nh, L, D = q.shape
+def sink_attention(q, k, v, scale: float, sinks=None, window: int | None = None, offset: int = 0) -> torch.Tensor:
+    """Causal attention with optional sinks and sliding window, transformers' eager formula: q [B, nh, Lq, D],
+    k/v [B, nkv, L, D] -> [B, nh, Lq, D], query i at position offset + i (offset = L - Lq: a cached prefix's
+    keys come first; the window counts them too). Queries go in chunks so that at most SCORES_BUDGET scores exist
+    at once; the softmax is taken in float32."""
+    B, nh, Lq, D = q.shape
+    L = k.shape[2]
     k = k.repeat_interleave(nh // k.shape[1], dim=1)  # [B, nh, L, D]: query head h reads kv head h // groups
     v = v.repeat_interleave(nh // v.shape[1], dim=1)  # [B, nh, L, D]
     keys = torch.arange(L, device=q.device)  # [L]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if v.shape[-1] == D else q.new_empty(B, nh, Lq, v.shape[-1])  # q's layout
     step = max(1, SCORES_BUDGET // (B * nh * L))
-    for start in range(0, L, step):
-        queries = keys[start:start + step]  # [C]
+    for start in range(0, Lq, step):
+        queries = keys[start:start + step] if offset == 0 else torch.arange(start, min(start + step, Lq),
+                                                                             device=q.device) + offset  # [C]
         scores = torch.matmul(q[:, :, start:start + step], k.transpose(-1, -2)) * scale  # [B, nh, C, L]
         allowed = keys[None, :] <= queries[:, None]  # [C, L]
         if window is not None:

@@ -4,6 +4,15 @@ A thin layer over `Engine.next_token_logprobs`: read the questions (mmlu_data.py
 (mmlu_prompts.py) before any model is loaded, score the four answer letters of every question under the base
 model and each adapter in mixed batches (the batches are the resumable units of a run folder), and build the
 tables (mmlu_stats.py).
+
+Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): a subject's prompts all begin
+with its header and k-shot examples, so that part is computed once per (subject, adapter) and each question runs only
+its own part (`Batch.prefixes`, lora_eval/prefixes.py). The boundary is the longest common run of leading token ids
+of the prompts as they are tokenised whole (per subject and number of shots kept), so the tokens computed are
+exactly the full prompts' tokens: no text is tokenised apart, and the prompts stay byte for byte lm-eval's. Batches
+then take a subject's questions together (by length inside it), so that a batch needs few prefixes and the cache
+rarely evicts. Under expert parallel prefixes are off (a prefix pass is a forward one rank would run alone, and every
+rank must take part in every MoE layer's exchange).
 """
 
 from __future__ import annotations
@@ -24,12 +33,33 @@ from .mmlu_prompts import answer_tokens, tokenize_prompts
 from .mmlu_stats import question_table, subject_table, summary_table
 from .names import BASE
 from .plan import check_fits
+from .prefixes import batches_in_order, common_length, grouped_order
 from .report import report_files
 from .results import MmluResult, read_run, table_files
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
 from .tokenizer import load_tokenizer
 
 BATCH_TOKENS = 16384
+
+
+def subject_prefixes(questions: pd.DataFrame, used: list[int], ids: list[list[int]]) -> tuple[list, list[int]]:
+    """Per question, its prefix group ((subject, shots kept): sortable) and how many leading tokens it shares with
+    the group: the longest common run of leading token ids of the group's prompts, at most every prompt's length
+    minus 1 (a question keeps at least one token of its own); 0 where the group has one question (nothing to
+    share)."""
+    groups = list(zip(questions["subject"].tolist(), [-u for u in used]))
+    members: dict = {}
+    for q, g in enumerate(groups):
+        members.setdefault(g, []).append(q)
+    shared = [0] * len(ids)
+    for rows in members.values():
+        if len(rows) < 2:
+            continue
+        first = ids[rows[0]]
+        n = min(min(common_length(first, ids[q]) for q in rows[1:]), min(len(ids[q]) for q in rows) - 1)
+        for q in rows:
+            shared[q] = max(n, 0)
+    return groups, shared
 
 
 def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data: str | Path | None = None, *,
@@ -98,12 +128,24 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
         rows_tags = tags * len(ids)
         lengths = [len(row) for row in rows_ids]
-        batches = make_batches(lengths, batch_tokens)
+        use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
+        if options.prefix_cache and options.expert_parallel:
+            notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
+                   "full prompts run")
+        if use_prefixes:
+            groups, shared = subject_prefixes(questions, used, ids)
+            rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
+            suffix = [n - p for n, p in zip(lengths, rows_prefix)]
+            batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags]),
+                                       suffix, batch_tokens)
+        else:
+            rows_prefix, suffix = None, lengths
+            batches = make_batches(lengths, batch_tokens)
         timings["tokenize_s"] = time.perf_counter() - t0
 
         data_root = Path(data)
         task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
-                            max_drop=max_drop, batch_tokens=batch_tokens,
+                            max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
                             engine="given" if engine is not None else "loaded")
         inputs = {**model_files(model), **adapter_files(adapters),
                   **{f"data/{path.relative_to(data_root)}": file_digest(path) for path in sorted(set(files))}}
@@ -123,15 +165,21 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                     engine.stand_in()
                     continue
                 batch = batches[b]
-                scores = engine.next_token_logprobs(Batch([rows_ids[i] for i in batch],
-                                                          [rows_tags[i] for i in batch]), candidates).numpy()
-                work.record(b, pd.DataFrame({"row": batch, **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)}}))
+                before = engine.tokens_computed
+                scores = engine.next_token_logprobs(Batch([rows_ids[i] for i in batch], [rows_tags[i] for i in batch],
+                                                          None if rows_prefix is None else
+                                                          [rows_prefix[i] for i in batch]), candidates).numpy()
+                computed = [engine.tokens_computed - before] + [0] * (len(batch) - 1)  # the unit's, on its first row
+                work.record(b, pd.DataFrame({"row": batch, **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
+                                             "tokens_computed": np.asarray(computed, dtype=np.int64)}))
         timings["forward_s"] = time.perf_counter() - t0
 
         def merge(frames: dict[int, pd.DataFrame]) -> MmluResult:
             lp = np.empty((len(rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
+            tokens_computed = 0  # by whichever run and rank computed each unit
             for frame in frames.values():
                 lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
+                tokens_computed += int(frame["tokens_computed"].sum()) if "tokens_computed" in frame else 0
 
             t0 = time.perf_counter()
             table = question_table(questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
@@ -145,7 +193,11 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 arguments=arguments, timings=timings,
                 resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1),
                 work=work.stats(), questions=len(ids), rows=len(rows_ids), batches=len(batches),
-                padding_waste=padding_waste(lengths, batches),
+                padding_waste=padding_waste(suffix, batches),
+                tokens_computed=tokens_computed, tokens_full_prompts=int(sum(lengths)),
+                prefix_cache=dict(enabled=use_prefixes, computed_share=tokens_computed / max(sum(lengths), 1),
+                                  rows_with_prefix=sum(1 for p in rows_prefix or () if p),
+                                  this_process=engine.prefix_stats()),
                 questions_per_s=work.stats()["computed"] / len(models) / computed_s,
                 rows_per_s=work.stats()["computed"] / computed_s,
                 prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,

@@ -234,7 +234,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
         B, L = input_ids.shape
-        positions = torch.arange(L, device=input_ids.device).expand(B, L)  # [B, L]
+        positions = fwd.positions(B, L, input_ids.device)  # [B, L]: after a row's cached prefix, if any
         h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype, getattr(self.args, "rope_scale", 1.0))  # [B, L, D]
         for i, layer in enumerate(self.model.layers):

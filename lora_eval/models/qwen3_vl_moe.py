@@ -145,7 +145,7 @@ class CausalLM(qwen3.CausalLM):
     def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
         B, L = input_ids.shape
         text = self.model.language_model
-        positions = torch.arange(L, device=input_ids.device).expand(3, B, L)  # [3, B, L]: text-only, equal streams
+        positions = fwd.positions(B, L, input_ids.device).expand(3, B, L)  # [3, B, L]: text-only, equal streams
         h = text.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
         cos, sin = mrope_cos_sin(self.inv_freq, positions, self.args.mrope_section, h.dtype)  # [B, L, D]
         for i, layer in enumerate(text.layers):

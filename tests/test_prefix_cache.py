@@ -1,0 +1,286 @@
+"""Shared-prefix reuse (lora_eval/prefixes.py, `Batch.prefixes`): rows that name a shared prefix compute it once per
+(prefix, adapter) and run only their suffix, and get what their whole prompt gives.
+
+1. the engine, per family (Qwen3-MoE, DeepSeek-V3's MLA, GPT-OSS's sinks and a sliding window shorter than prefix +
+   suffix, Qwen3-VL-MoE's multimodal RoPE): `logprobs` and `next_token_logprobs` with prefixes equal the full
+   prompts within 1e-5 in float32, base and adapter rows mixed, several prefixes in a batch, rows without one beside
+   them; a prefixed row alone equals it in its batch bit for bit (the torch backend stays batch-invariant);
+2. the Triton backend through the interpreter (Qwen3-MoE, small shapes);
+3. a cache budget smaller than a batch's prefixes evicts and the numbers stay bit for bit the same;
+4. MMLU 5-shot with and without `--no-prefix-cache`: identical predictions, scores within 1e-5, tokens computed at
+   most 25% of the full prompts' (printed);
+5. compare on a reference of grouped samples (N completions of a few prompts behind a common system prompt):
+   tables within 1e-5 of a run without prefixes, fewer tokens computed, the gate still passes; over 2 data-parallel
+   ranks, and interrupted then resumed, the tables equal one uninterrupted process's byte for byte (each rank has
+   its own cache; mmlu's data-parallel and resume tests in tests/test_mmlu.py run with prefixes too);
+6. the grouping of shared leading tokens.
+
+Seeds are fresh every run (the `seed` / `session_seed` fixtures print them).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import lora_eval
+from lora_eval import Batch, Engine
+from lora_eval.prefixes import shared_prefix_lengths
+from lora_eval.references import write_reference
+from tests.builders import save_random_model, save_random_peft_adapter_any
+from tests.conftest import CPU, MOE_OVERRIDES
+
+TOL = 1e-5
+FAMILIES = {"qwen3_moe": MOE_OVERRIDES, "deepseek_v3": {}, "gpt_oss": {}, "qwen3_vl_moe": {}}
+
+
+def prefixed_batch(seed: int, vocab: int = 96) -> Batch:
+    """Three prefixes of 9-24 tokens shared by 2-3 rows each, under base and adapter, plus two rows without one."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(9, 25))] for _ in range(3)]
+    ids, tags, shared = [], [], []
+    for i in range(10):
+        own = [rng.randrange(vocab) for _ in range(rng.randrange(2, 10))]
+        if i < 8:
+            prefix = prefixes[i % 3]
+            ids.append(prefix + own)
+            shared.append(len(prefix) - 1 if i % 2 else len(prefix))  # logprobs-style and mmlu-style boundaries
+        else:
+            ids.append(own + [1])
+            shared.append(0)
+        tags.append("a" if i % 4 in (1, 2) else None)
+    return Batch(ids, tags, shared)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_engine(request, tmp_path_factory, session_seed):
+    family = request.param
+    root = tmp_path_factory.mktemp(f"prefix_{family}")
+    model = save_random_model(root / "model", family, seed=session_seed, **FAMILIES[family])
+    adapter = save_random_peft_adapter_any(model, root / "a", seed=session_seed + 1, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    return family, model, Engine.load(model, {"a": adapter}, CPU)
+
+
+def test_prefixed_rows_equal_full_prompts(family_engine, seed):
+    family, _, engine = family_engine
+    batch = prefixed_batch(seed)
+    full = engine.logprobs(Batch(batch.input_ids, batch.adapters))
+    got = engine.logprobs(batch)
+    diff = max((a - b).abs().max().item() for a, b in zip(full, got))
+    assert all(a.shape == b.shape for a, b in zip(full, got))
+    candidates = [3, 17, 42, 95]
+    full_next = engine.next_token_logprobs(Batch(batch.input_ids, batch.adapters), candidates)
+    got_next = engine.next_token_logprobs(batch, candidates)
+    diff_next = (full_next - got_next).abs().max().item()
+    print(f"{family}: logprobs max |diff| {diff:.2e}, last position {diff_next:.2e}")
+    assert diff < TOL and diff_next < TOL
+    # rows without a prefix are the plain forward's bit for bit; a prefixed row alone equals it in its batch (not
+    # for DeepSeek-V3, whose rows differ from their batch by rounding even without prefixes: tests/test_deepseek_v3.py
+    # compares mixed rows with those alone within a tolerance)
+    same = torch.equal if family != "deepseek_v3" else (lambda a, b: torch.allclose(a, b, rtol=0, atol=TOL))
+    for i in (8, 9):
+        assert same(got[i], full[i])
+    for i in (0, 5):
+        alone = Batch([batch.input_ids[i]], [batch.adapters[i]], [batch.prefixes[i]])
+        assert same(engine.logprobs(alone)[0], got[i])
+        assert same(engine.next_token_logprobs(alone, candidates)[0], got_next[i])
+    if family == "gpt_oss":  # its sliding window (5) is shorter than prefix + suffix: the window counts the prefix
+        assert min(len(ids) for ids in batch.input_ids[:8]) > 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled")
+def test_triton_backend_in_the_interpreter(moe_model, tmp_path, seed):
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules=["q_proj", "v_proj", "o_proj"])
+    engine = Engine.load(moe_model, {"a": adapter}, replace(CPU, backend="triton"))
+    rng = random.Random(seed)
+    prefix = [rng.randrange(96) for _ in range(8)]
+    ids = [prefix + [rng.randrange(96) for _ in range(n)] for n in (3, 4)] + [[5, 6, 7]]
+    batch = Batch(ids, ["a", "a", None], [7, 7, 0])
+    full = engine.logprobs(Batch(ids, batch.adapters))
+    got = engine.logprobs(batch)
+    diff = max((a - b).abs().max().item() for a, b in zip(full, got))
+    print(f"triton: max |diff| {diff:.2e}")
+    assert diff < TOL and engine.prefix_stats()["prefixes_computed"] == 1
+
+
+def test_a_small_cache_evicts_and_stays_exact(moe_model, tmp_path, seed):
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    batch = prefixed_batch(seed)
+    roomy = Engine.load(moe_model, {"a": adapter}, CPU)
+    expected = roomy.logprobs(batch)
+    stats = roomy.prefix_stats()
+    assert stats["prefixes_evicted"] == 0 and stats["peak_bytes"] > 0
+    one_entry = max(stats["peak_bytes"] // stats["prefixes_computed"], 1)
+    tight = Engine.load(moe_model, {"a": adapter}, replace(CPU, prefix_cache_memory=one_entry))
+    for _ in range(2):  # the second time round, evicted prefixes are computed again
+        got = tight.logprobs(batch)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    stats = tight.prefix_stats()
+    print(stats)
+    assert stats["prefixes_evicted"] > 0 and stats["held_bytes"] <= one_entry
+    assert stats["prefixes_computed"] > roomy.prefix_stats()["prefixes_computed"]
+
+
+def test_bad_prefix_lengths_are_refused():
+    with pytest.raises(lora_eval.InputError, match="row 0"):
+        Batch([[1, 2, 3]], [None], [3])
+    with pytest.raises(ValueError):
+        Batch([[1, 2, 3]], [None], [1, 1])
+
+
+# ---- MMLU ------------------------------------------------------------------------------------------------
+
+
+def test_mmlu_with_and_without_the_prefix_cache(tmp_path_factory, session_seed):
+    """The subjects of tests/test_mmlu.py's rigged sample, 16 questions each (with its 8 the prefix, computed once
+    per subject and model, still weighs 1/8 of a prompt: 25.5% measured; a full subject has 100-1,500 questions)."""
+    from tests.test_mmlu import DATA, RIG_SUBJECTS, bpe_tokenizer
+
+    RIG_LIMIT = 16
+    if not DATA.is_dir():
+        pytest.skip("the MMLU release is not in ../shared/data/mmlu")
+    root = tmp_path_factory.mktemp("prefix_mmlu")
+    tokenizer = bpe_tokenizer(root / "model")
+    model = save_random_model(root / "model", "qwen3_moe", seed=session_seed, vocab_size=len(tokenizer),
+                              max_position_embeddings=4096, **MOE_OVERRIDES)
+    adapter = save_random_peft_adapter_any(model, root / "a", seed=session_seed + 1, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    runs = {}
+    for name, options in (("full", replace(CPU, prefix_cache=False)), ("prefix", CPU)):
+        runs[name] = lora_eval.mmlu(model, {"a": adapter}, DATA, out=root / name, subjects=RIG_SUBJECTS,
+                                    limit=RIG_LIMIT, shots=5, options=options, quiet=True, batch_tokens=4096)
+    full, prefix = runs["full"].questions, runs["prefix"].questions
+    assert len(full) == 2 * len(RIG_SUBJECTS) * RIG_LIMIT
+    assert (full["prediction"] == prefix["prediction"]).all()
+    lp = [f"lp_{x}" for x in "ABCD"]
+    diff = float(np.abs(full[lp].to_numpy() - prefix[lp].to_numpy()).max())
+    run = json.loads((root / "prefix" / "run.json").read_text())
+    share = run["tokens_computed"] / run["tokens_full_prompts"]
+    print(f"mmlu 5-shot: max |diff| {diff:.2e}; tokens computed {run['tokens_computed']:,} of "
+          f"{run['tokens_full_prompts']:,} ({share:.1%})")
+    assert diff < TOL
+    assert share <= 0.25 and run["prefix_cache"]["enabled"]
+    plain = json.loads((root / "full" / "run.json").read_text())
+    assert plain["tokens_computed"] == plain["tokens_full_prompts"] == run["tokens_full_prompts"]
+    assert not plain["prefix_cache"]["enabled"]
+    assert run["fingerprint"]["options"]["prefix_cache"] is True
+    assert plain["fingerprint"]["options"]["prefix_cache"] is False
+
+
+# ---- compare ---------------------------------------------------------------------------------------------
+
+
+def grouped_reference(engine: Engine, path: Path, seed: int) -> Path:
+    """A common system prompt (36 tokens), three prompts each with 4 completions, under base and adapter 'a', and
+    three unrelated samples; logprobs: the engine's own on full prompts."""
+    rng = random.Random(seed)
+    system = [rng.randrange(96) for _ in range(36)]
+    rows = []
+    for p in range(3):
+        prompt = system + [rng.randrange(96) for _ in range(rng.randrange(8, 20))]
+        for n in range(4):
+            rows.append((prompt + [rng.randrange(96) for _ in range(rng.randrange(3, 12))], "a" if p != 1 else None))
+    rows += [([rng.randrange(96) for _ in range(rng.randrange(5, 30))], "a" if i else None) for i in range(3)]
+    ids, tags = [r[0] for r in rows], [r[1] for r in rows]
+    lps = engine.logprobs(Batch(ids, tags))
+    frame = pd.DataFrame(dict(sample_id=[f"s{i}" for i in range(len(rows))], adapter=tags, input_ids=ids,
+                              logprobs=[lp.numpy() for lp in lps]))
+    return write_reference(frame, path)
+
+
+def test_compare_on_grouped_samples(moe_model, tmp_path, seed):
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    engine = Engine.load(moe_model, {"a": adapter}, CPU)
+    reference = grouped_reference(engine, tmp_path / "ref.parquet", seed)
+    results, runs = {}, {}
+    for name, options in (("full", replace(CPU, prefix_cache=False)), ("prefix", CPU)):
+        results[name] = lora_eval.compare(moe_model, {"a": adapter}, [reference], out=tmp_path / name,
+                                          options=options, quiet=True, max_k2=1e-8)
+        runs[name] = json.loads((tmp_path / name / "run.json").read_text())
+    full, prefix = results["full"], results["prefix"]
+    diff = float((full.tokens["engine"] - prefix.tokens["engine"]).abs().max())
+    numeric = full.summary.select_dtypes("number").columns
+    summary_diff = float((full.summary[numeric] - prefix.summary[numeric]).abs().max().max())
+    run = runs["prefix"]
+    print(f"compare: tokens max |diff| {diff:.2e}, summary {summary_diff:.2e}; tokens computed "
+          f"{run['tokens_computed']} of {run['tokens_full_prompts']}")
+    assert list(full.tokens["sample_id"]) == list(prefix.tokens["sample_id"])
+    assert diff < TOL and summary_diff < TOL
+    assert full.passed and prefix.passed and bool(prefix.gates["applied"].all())
+    assert run["prefix_cache"]["rows_with_prefix"] == 12
+    assert run["tokens_computed"] < 0.8 * run["tokens_full_prompts"]
+    assert runs["full"]["tokens_computed"] == runs["full"]["tokens_full_prompts"] == run["tokens_full_prompts"]
+
+
+def test_compare_with_prefixes_data_parallel_and_resumed_byte_identical(moe_model, tmp_path, seed, monkeypatch):
+    from click.testing import CliRunner
+
+    from lora_eval.cli import cli
+    from tests.test_distributed import finish, torchrun
+    from tests.test_run_folders import record, tables
+
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    reference = grouped_reference(Engine.load(moe_model, {"a": adapter}, CPU), tmp_path / "ref.parquet", seed)
+    args = ["compare", "--model", moe_model, "--adapter", f"a={adapter}", "--reference", reference,
+            "--batch-tokens", 64, "--quiet"]
+
+    def run(*extra):
+        return CliRunner().invoke(cli, [str(a) for a in [*args, *extra]])
+
+    assert run("--out", tmp_path / "one").exit_code == 0
+    assert record(tmp_path / "one")["prefix_cache"]["rows_with_prefix"] == 12
+    assert run("--out", tmp_path / "plain", "--no-prefix-cache").exit_code == 0
+    plain = record(tmp_path / "plain")
+    assert not plain["prefix_cache"]["enabled"] and plain["tokens_computed"] == plain["tokens_full_prompts"]
+    assert record(tmp_path / "one")["tokens_computed"] < plain["tokens_computed"]
+    code, stdout, stderr = finish(torchrun(2, [*args, "--out", tmp_path / "two"]))
+    assert code == 0, (stdout, stderr)
+    assert tables(tmp_path / "two") == tables(tmp_path / "one")
+    original, calls = Engine.logprobs, []
+
+    def stopping(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    monkeypatch.setenv("LORA_EVAL_PART_ITEMS", "1")
+    monkeypatch.setattr(Engine, "logprobs", stopping)
+    assert run("--out", tmp_path / "resumed").exit_code == 130
+    monkeypatch.setattr(Engine, "logprobs", original)
+    assert run("--out", tmp_path / "resumed").exit_code == 0
+    assert record(tmp_path / "resumed")["work"]["resumed_units"] == 2
+    assert tables(tmp_path / "resumed") == tables(tmp_path / "one")
+
+
+# ---- grouping ----------------------------------------------------------------------------------------------
+
+
+def test_shared_leading_tokens_are_grouped(seed):
+    rng = random.Random(seed)
+    system = [rng.randrange(50) for _ in range(40)]
+    groups = [system + [50 + g] * 30 for g in range(3)]  # three prompts behind one system prompt
+    sequences = [p + [rng.randrange(50) for _ in range(5)] for p in groups for _ in range(4)]
+    sequences += [[99] * 20, system[:10] + [7]]  # alone; too little shared
+    order = list(range(len(sequences)))
+    rng.shuffle(order)
+    shared = shared_prefix_lengths([sequences[i] for i in order])
+    by_sample = {i: c for i, c in zip(order, shared)}
+    for i in range(12):  # each prompt's completions share the prompt (at least), not merely the system prompt
+        assert by_sample[i] >= 70
+        assert sequences[i][:by_sample[i]] == sequences[(i // 4) * 4][:by_sample[i]]
+    assert by_sample[12] == 0 and by_sample[13] == 0
+    assert shared_prefix_lengths([system + [1], system + [2]]) == [40, 40]
+    assert shared_prefix_lengths([system[:20] + [1], system[:20] + [2]]) == [0, 0]  # under 32 tokens
