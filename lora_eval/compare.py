@@ -84,11 +84,6 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         timings = {}
         t0 = time.perf_counter()
         refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
-        if engine is None:
-            check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                       ranks.world if ranks and options.expert_parallel else 1)
-        parsed = None if engine is not None else read_adapters(model, adapters, options)
-        static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
         lengths = [len(ids) for ids in refs["input_ids"]]
         use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
         if options.prefix_cache and options.expert_parallel:
@@ -96,6 +91,12 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                    "forward); full samples run")
         prefix, group = sample_prefixes(refs) if use_prefixes else ([0] * len(refs), [0] * len(refs))
         suffix = [n - p for n, p in zip(lengths, prefix)]  # tokens a row runs itself
+        if engine is None:  # (the prefix cache's bound counts where samples share prefixes)
+            check_fits(model, adapters, options.device, options.dtype, batch_tokens,
+                       ranks.world if ranks and options.expert_parallel else 1,
+                       options.prefix_cache_memory if any(prefix) else 0)
+        parsed = None if engine is not None else read_adapters(model, adapters, options)
+        static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
         batches = batches_in_order(grouped_order(suffix, group), suffix, batch_tokens) if use_prefixes \
             else make_batches(lengths, batch_tokens)
         # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)

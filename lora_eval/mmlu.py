@@ -119,9 +119,10 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the "
                              f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
                              "belong to this model", key="vocab_size")
-        if engine is None:
+        if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
             check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                       ranks.world if ranks and options.expert_parallel else 1)
+                       ranks.world if ranks and options.expert_parallel else 1,
+                       options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel else 0)
         parsed = None if engine is not None else read_adapters(model, adapters, options)
         models = [BASE, *adapters]
         tags = [None, *adapters]

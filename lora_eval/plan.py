@@ -11,6 +11,8 @@ much as bf16). Per GPU:
                64 MiB of logits a batch computes at a time
   graphs       CUDA graphs' memory pool: the activations of the largest captured bucket (16,384 tokens); none under
                expert parallel, which runs eagerly
+  prefixes     the shared-prefix cache's bound (EngineOptions.prefix_cache_memory, 2 GiB) where prefixes are reused:
+               not under expert parallel, which turns them off
 The figures are estimates for deciding what fits; a run records what it really took.
 """
 
@@ -26,6 +28,7 @@ from safetensors import safe_open
 
 from .checkpoint import read_json
 from .engine import DTYPES, LOGITS_BUDGET
+from .prefixes import PREFIX_CACHE_BYTES
 from .errors import InputError
 from .models import family_and_args
 from .models.layers import FusedExperts
@@ -85,9 +88,9 @@ def activation_bytes(counts: dict, tokens: int, dtype_bytes: int) -> int:
 
 def plan(model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *, gpus: int = 1,
          batch_tokens: int = 4096, dtype: str = "bfloat16", gpu_memory_gb: float | None = None,
-         cuda_graphs: bool = True) -> tuple[dict, pd.DataFrame]:
+         cuda_graphs: bool = True, prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> tuple[dict, pd.DataFrame]:
     """(the model's parameter counts, one row per layout: per-GPU GB of experts, replicated weights, adapters,
-    activations, graphs, the total, and whether it fits `gpu_memory_gb`)."""
+    activations, graphs, the prefix cache's bound, the total, and whether it fits `gpu_memory_gb`)."""
     if dtype not in DTYPES:
         raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
     if gpus < 1:
@@ -106,7 +109,8 @@ def plan(model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *
         share = math.ceil(counts["num_experts"] / n) / counts["num_experts"] if layout == "expert parallel" else 1
         parts = dict(experts=counts["experts"] * share * size, replicated=counts["replicated"] * size,
                      adapters=(adapter_experts * share + adapter_other) * size, activations=acts,
-                     graphs=0 if layout == "expert parallel" else graphs)  # expert parallel runs eagerly
+                     graphs=0 if layout == "expert parallel" else graphs,  # expert parallel runs eagerly
+                     prefixes=0 if layout == "expert parallel" else prefix_cache_bytes)  # and without prefixes
         total = sum(parts.values())
         rows.append(dict(layout=layout, gpus=n, **{f"{k}_gb": v / GB for k, v in parts.items()},
                          per_gpu_gb=total / GB, gpu_memory_gb=memory, fits=total / GB <= memory))
@@ -121,12 +125,14 @@ def default_gpu_memory_gb() -> float:
 
 
 def check_fits(model_dir: str | Path, adapters: dict, device: str, dtype: str, batch_tokens: int,
-               expert_ranks: int = 1) -> None:
+               expert_ranks: int = 1, prefix_cache_bytes: int = 0) -> None:
     """Refuse (InputError, before anything loads) a run whose weights, adapters and activations cannot fit the
     device: its free GPU memory, or the host's available memory for a CPU run. `expert_ranks`: the ranks an expert
-    parallel run spreads the experts over (1: every rank holds them all)."""
+    parallel run spreads the experts over (1: every rank holds them all); `prefix_cache_bytes`: the bound of the
+    shared-prefix cache the run may fill (0: it reuses no prefixes)."""
     counts, rows = plan(model_dir, adapters, gpus=expert_ranks, batch_tokens=batch_tokens, dtype=dtype,
-                        cuda_graphs=device.startswith("cuda") and expert_ranks == 1)
+                        cuda_graphs=device.startswith("cuda") and expert_ranks == 1,
+                        prefix_cache_bytes=prefix_cache_bytes)
     need = float(rows.iloc[-1 if expert_ranks > 1 else 0]["per_gpu_gb"])
     if device.startswith("cuda"):
         free = torch.cuda.mem_get_info(torch.device(device))[0] / GB
