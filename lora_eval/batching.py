@@ -6,9 +6,14 @@ from __future__ import annotations
 def make_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Sample indices in batches: sorted by length, each batch's rows x longest length <= `budget`
     (a sample longer than the budget runs alone). Deterministic for given lengths."""
+    return batches_in_order(sorted(range(len(lengths)), key=lambda i: (lengths[i], i)), lengths, budget)
+
+
+def batches_in_order(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """make_batches's rule (rows x longest length <= budget; a longer row alone) over rows taken in `order` (by
+    length there; by shared-prefix group, then length, for prefixes.grouped_order)."""
     if budget < 1:
         raise ValueError(f"the token budget must be positive, got {budget}")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches, current, longest = [], [], 0
     for i in order:
         grown = max(longest, lengths[i])

@@ -126,6 +126,14 @@ def prefix_option(command):
                         "(prefix, adapter).")(command)
 
 
+def references_and_out(command):
+    """--reference (repeatable) and --out: for commands that read trainer reference dumps into a run folder."""
+    command = click.option("--out", required=True, type=click.Path(),
+                           help="Run folder to write (its parent must exist).")(command)
+    return click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
+                        help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")(command)
+
+
 def run_options(command):
     """--overwrite and --quiet: for commands that write a run folder or file."""
     command = click.option("--quiet", is_flag=True, help="No progress bar (also quiet under CI=true).")(command)
@@ -233,9 +241,7 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
     "--junit junit.xml",
     "lora-eval compare --model MODEL --reference base=dump.pt --out runs/base --device cpu --dtype float32"))
 @model_and_adapters
-@click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
-              help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")
-@click.option("--out", required=True, type=click.Path(), help="Run folder to write (its parent must exist).")
+@references_and_out
 @click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per forward batch.")
 @click.option("--max-k2", default=5e-3, type=Threshold(), show_default=True, help="Fail when k2 exceeds this.")
@@ -409,9 +415,7 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
     "lora-eval diagnose --model MODEL --reference ref.parquet --out runs/bf16 --dtype bfloat16 --samples 4 "
     "--layer-by-layer"))
 @model_and_adapters
-@click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
-              help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")
-@click.option("--out", required=True, type=click.Path(), help="Run folder to write (its parent must exist).")
+@references_and_out
 @click.option("--samples", default=8, type=click.IntRange(min=1), show_default=True,
               help="Per adapter (and base): the samples with the largest k2 against the reference.")
 @click.option("--against-model", default=None, type=click.Path(),

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from .adapters import Adapter
-from .batching import make_batches, padding_waste
+from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
 from .engine import Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
@@ -35,7 +35,7 @@ from .inputs import adapter_names, model_config, positive_int, threshold
 from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
 from .names import BASE, OVERALL
 from .plan import check_fits
-from .prefixes import MIN_SHARED_TOKENS, batches_in_order, grouped_order, shared_prefix_lengths
+from .prefixes import MIN_SHARED_TOKENS, grouped_order, shared_prefix_lengths
 from .references import read_reference
 from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, no_gates, read_run,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .batching import make_batches, padding_waste
+from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
 from .engine import Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
@@ -33,7 +33,7 @@ from .mmlu_prompts import answer_tokens, tokenize_prompts
 from .mmlu_stats import question_table, subject_table, summary_table
 from .names import BASE
 from .plan import check_fits
-from .prefixes import batches_in_order, common_length, grouped_order
+from .prefixes import common_length, grouped_order
 from .report import report_files
 from .results import MmluResult, read_run, table_files
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions

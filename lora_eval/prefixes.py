@@ -148,19 +148,3 @@ def grouped_order(lengths: list[int], groups: list) -> list[int]:
     """Indices ordered by group (a sortable key per row; rows of a group end up together, groups in key order),
     then by length: batches cut from this order need few prefixes each."""
     return sorted(range(len(lengths)), key=lambda i: (groups[i], lengths[i], i))
-
-
-def batches_in_order(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """batching.make_batches's rule (rows x longest length <= budget; a longer row alone) over rows taken in
-    `order` instead of by length."""
-    batches, current, longest = [], [], 0
-    for i in order:
-        grown = max(longest, lengths[i])
-        if current and grown * (len(current) + 1) > budget:
-            batches.append(current)
-            current, grown = [], lengths[i]
-        current.append(i)
-        longest = grown
-    if current:
-        batches.append(current)
-    return batches
