@@ -36,7 +36,7 @@ from tests.builders import DEEPSEEK_YARN, hf_logprobs, load_hf, random_sequences
 from tests.conftest import CPU
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
     run_one_adapter, varied_sequences
-from tests.test_families import k2, run
+from tests.test_families import base_hf, k2, run  # noqa: F401 (base_hf: a fixture)
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
 VOCAB = 96  # tests/builders.py's tiny vocabulary
@@ -85,18 +85,6 @@ def checkpoint(tmp_path_factory, session_seed):
         if case not in built:
             built[case] = save_deepseek(tmp_path_factory.mktemp(case), seed=session_seed, **CASES[case])
         return built[case]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def base_hf(checkpoint):
-    loaded = {}
-
-    def get(case: str):
-        if case not in loaded:
-            loaded[case] = load_hf(checkpoint(case))
-        return loaded[case]
 
     return get
 

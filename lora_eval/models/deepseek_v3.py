@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import InputError, UnsupportedError
 from . import qwen3
-from .layers import FusedExperts, Linear, RMSNorm, group_topk_sigmoid_routing, yarn_mscale, yarn_rope
+from .layers import FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing, yarn_mscale, yarn_rope
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -125,7 +125,7 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
         config = {**DEFAULTS, **config}
-        read = _reader(config, where)
+        read = config_reader(config, where)
         for key, value in ONLY.items():
             if config.get(key) is not None and config[key] != value:
                 raise UnsupportedError(where, f"{config[key]!r} is not supported for {config['model_type']} "
@@ -175,25 +175,6 @@ class ModelArgs:
         if self.top_k > self.topk_group * (E // self.n_group):
             raise InputError(where, f"{self.top_k} experts cannot be chosen from {self.topk_group} groups of "
                              f"{E // self.n_group}", key="num_experts_per_tok")
-
-
-def _reader(config: dict, where: str):
-    def read(key, kind, *alts, minimum=None):
-        """config[key] (or an alternative name) as `kind`, or an InputError naming the key."""
-        for k in (key, *alts):
-            if config.get(k) is not None:
-                key, value = k, config[k]
-                break
-        else:
-            raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'", key=key)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = number and (kind is not int or float(value) == int(value))
-        if not ok or (minimum is not None and value < minimum):
-            raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
-                             f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
-        return kind(value)
-
-    return read
 
 
 def _rope(config: dict, rope_dim: int, qk_head_dim: int, where: str) -> tuple[dict, float, float]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import InputError
 from . import qwen3
-from .layers import FusedExperts, Linear, RMSNorm, deinterleave_gate_up, yarn_rope
+from .layers import FusedExperts, Linear, RMSNorm, config_reader, deinterleave_gate_up, yarn_rope
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("gpt_oss",)
@@ -77,7 +77,7 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
-        read = _reader(config, where)
+        read = config_reader(config, where)
         heads = read("num_attention_heads", int, minimum=1)
         hidden = read("hidden_size", int, minimum=1)
         layers = read("num_hidden_layers", int, minimum=1)
@@ -112,27 +112,6 @@ class ModelArgs:
                              key="num_key_value_heads")
         args.rope, args.rope_scale = _rope(config, args.head_dim, where)
         return args
-
-
-def _reader(config: dict, where: str):
-    def read(key, kind, *alts, default=None, minimum=None):
-        """config[key] (or an alternative name) as `kind`, or an InputError naming the key."""
-        for k in (key, *alts):
-            if config.get(k) is not None:
-                key, value = k, config[k]
-                break
-        else:
-            if default is None:
-                raise InputError(where, "missing required field for model_type 'gpt_oss'", key=key)
-            return default
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = number and (kind is not int or float(value) == int(value))
-        if not ok or (minimum is not None and value < minimum):
-            raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
-                             f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
-        return kind(value)
-
-    return read
 
 
 def _rope(config: dict, head_dim: int, where: str) -> tuple[dict, float]:

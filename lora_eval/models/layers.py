@@ -33,6 +33,30 @@ class Linear(nn.Module):
         return fwd.linear(self, x, residual=residual)  # [T, out]
 
 
+def config_reader(config: dict, where: str):
+    """`read(key, kind, *alts, default=None, minimum=None)`: config[key] (or the first alternative name present) as
+    `kind` (int or float), `default` where none is present, or an InputError naming the key and what was expected;
+    the one validating reader every family's ModelArgs uses."""
+    def read(key, kind, *alts, default=None, minimum=None):
+        for k in (key, *alts):
+            if config.get(k) is not None:
+                key, value = k, config[k]
+                break
+        else:
+            if default is None:
+                raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'",
+                                 key=key)
+            return default
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = number and (kind is not int or float(value) == int(value))
+        if not ok or (minimum is not None and value < minimum):
+            raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
+                             f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
+        return kind(value)
+
+    return read
+
+
 @dataclass(frozen=True, eq=False)
 class ProjectionGroup:
     """Projections of one input (a module's `input_groups`, e.g. q / k / v) whose weights and biases are row slices

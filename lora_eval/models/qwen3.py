@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
-from .layers import Embedding, FusedExperts, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
+from .layers import Embedding, FusedExperts, Linear, RMSNorm, config_reader, rope_cos_sin, rope_inv_freq
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "llama")
 
@@ -50,23 +50,7 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
-        def read(key, kind, *alts, default=None, minimum=None):
-            """config[key] (or an alternative name) as `kind`, or an InputError naming the key."""
-            for k in (key, *alts):
-                if config.get(k) is not None:
-                    key, value = k, config[k]
-                    break
-            else:
-                if default is None:
-                    raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'",
-                                     key=key)
-                return default
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == kind(value) \
-                if kind is int else isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (minimum is not None and value < minimum):
-                raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
-                                 f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
-            return kind(value)
+        read = config_reader(config, where)
 
         model_type = config["model_type"]
         if config.get("hidden_act", "silu") != "silu":
