@@ -1,8 +1,10 @@
 """`lora-eval mmlu` on the GPU at a real model's shape: the full 5-shot MMLU test set (14,042 questions) through a
 random-weight Qwen3-30B-A3B (48 layers, bf16) with one rank-16 all-linear adapter (experts and router included),
-base and adapter in one pass. Random weights score at chance, so this measures time, not accuracy.
+base and adapter in one pass. Random weights score at chance, so this measures time, not accuracy. With
+--both-prefix-modes the same engine then runs again with the shared-prefix cache off (--no-prefix-cache), and the
+two runs' log-probabilities of A-D are set side by side (the GPU's bf16 agreement of prefix reuse, issue #24).
 
-    python benchmarks/mmlu_gpu.py --data DIR [--layers 48] [--subjects a,b] [--out DIR]
+    python benchmarks/mmlu_gpu.py --data DIR [--layers 48] [--subjects a,b] [--both-prefix-modes] [--out DIR]
     (a dry run on the CPU: --device cpu --dtype float32 --config TINY.json --subjects ...)
 
 The model has no tokenizer of its own here: a byte-level BPE (32k) trained on the MMLU text itself stands in
@@ -39,6 +41,8 @@ def main():
     parser.add_argument("--out", default="mmlu-gpu")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--both-prefix-modes", action="store_true",
+                        help="run again without the shared-prefix cache and compare the two runs")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -58,19 +62,38 @@ def main():
         adapter = load_adapter(Path(tmp) / "peft" / "adapter", "adapter", model)
         engine = Engine(model, [adapter])
         build_s = time.perf_counter() - t0
-        result = mmlu(folder, data=args.data, out=args.out, shots=5, subjects=args.subjects,
-                      options=EngineOptions(device=args.device, dtype=args.dtype), batch_tokens=args.batch_tokens,
-                      quiet=True, engine=engine)
+        modes = [True, False] if args.both_prefix_modes else [True]
+        results = {}
+        for prefix_cache in modes:
+            t1 = time.perf_counter()
+            out = Path(args.out) / ("prefix" if prefix_cache else "full")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            results[prefix_cache] = mmlu(
+                folder, data=args.data, out=out, shots=5, subjects=args.subjects,
+                options=EngineOptions(device=args.device, dtype=args.dtype, prefix_cache=prefix_cache),
+                batch_tokens=args.batch_tokens, quiet=True, overwrite=True, engine=engine)
+            report(results[prefix_cache], config, dev, build_s, time.perf_counter() - t1, prefix_cache)
+    if len(results) == 2:
+        a, b = (results[m].questions for m in (True, False))
+        lp = [f"lp_{x}" for x in "ABCD"]
+        d = (a[lp].to_numpy() - b[lp].to_numpy())
+        print(f"prefix cache vs full prompts: {d.size} log-probabilities, max |d| {abs(d).max():.3g}, "
+              f"mean |d| {abs(d).mean():.3g}, identical {bool((d == 0).all())}; predictions differ on "
+              f"{int((a['prediction'] != b['prediction']).sum())} of {len(a)} (model, question) rows")
+
+
+def report(result, config, dev, build_s, wall_s, prefix_cache):
     run = result.run
-    line = dict(questions=run["questions"], rows=run["rows"], batches=run["batches"],
+    line = dict(prefix_cache=prefix_cache, questions=run["questions"], rows=run["rows"], batches=run["batches"],
                 prompt_tokens_mean=run["prompts"]["tokens_mean"], padding_waste=run["padding_waste"],
-                forward_s=run["timings"]["forward_s"], questions_per_s=run["questions_per_s"],
-                tokens_per_s=run["prompts"]["tokens_mean"] * run["rows"] / run["timings"]["forward_s"], build_s=build_s, wall_s=time.perf_counter() - t0,
-                graphs=run["cuda_graphs"], layers=config["num_hidden_layers"],
+                tokens_full_prompts=run.get("tokens_full_prompts"), tokens_computed=run.get("tokens_computed"),
+                forward_s=run["timings"]["forward_s"], load_s=run["timings"].get("load_s"),
+                questions_per_s=run["questions_per_s"],
+                full_prompt_tokens_per_s=run["prompts"]["tokens_mean"] * run["rows"] / run["timings"]["forward_s"],
+                build_s=build_s, wall_s=wall_s, graphs=run["cuda_graphs"], layers=config["num_hidden_layers"],
                 device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__)
     print(pd.Series(line).to_string())
     print(result.summary.to_string(index=False))
-
 
 if __name__ == "__main__":
     main()

@@ -78,7 +78,7 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
       cmp -s "$f" "$DP/mmlu_all/$(basename "$f")" && echo "mmlu $(basename "$f") byte-identical" \
         || echo "mmlu $(basename "$f") differs"; done
     side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
-  rm -rf "$DP"
+  [ -n "${KEEP_DP:-}" ] || rm -rf "$DP"  # KEEP_DP=1: leave the checkpoint for a next step (diagnose_gpu.sh WORK=$WORK/dp)
 fi
 
 if [[ " ${STEPS:-dp ep} " == *" ep "* ]]; then

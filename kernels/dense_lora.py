@@ -66,7 +66,7 @@ def embedding_lora_ref(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: t
 # in the launch path reads a device value on the host, so the launches can be captured in a CUDA graph.
 # ---------------------------------------------------------------------------------------------------------
 
-# H100, T = 4096, S = 4 with every row in one slot, bf16 (benchmarks/dense_lora_tiles.py): the shrink at 64 rows
+# H100, T = 4096, S = 4 with every row in one slot, bf16 (benchmarks/tiles.py dense): the shrink at 64 rows
 # per program takes 9.5 / 12.7 / 6.6 us for q/k/v together (in 2048, R 48) / o (in 4096) / router (in 2048)
 # against 15.1 / 14.0 / 8.2 at 32 rows; the expand is as fast as any tile tried (q 20.7 us, about a plain copy of
 # y). The shrink halves BLOCK_K until its pipelined x and A tiles fit SHRINK_SMEM (large R, float32).
@@ -76,7 +76,7 @@ BLOCKS = {
 }
 SHRINK_SMEM = 160 * 1024  # bytes: num_stages * (BLOCK_M + BLOCK_R) * BLOCK_K * element size
 # Split `in` while the programs of one slot's rows x splits fit the SMs once and each split keeps SPLIT_MIN_K
-# features: H100, 128 tokens, S = 4 with every row in one slot, bf16 (benchmarks/lora_shrinks.py): q/k/v 9.3 /
+# features: H100, 128 tokens, S = 4 with every row in one slot, bf16 (benchmarks/tiles.py shrinks): q/k/v 9.3 /
 # o 10.3 / router 6.4 us unsplit (two programs each, latency of one SM streaming x and A).
 SPLIT_MIN_K, MAX_SPLITS = 128, 16
 

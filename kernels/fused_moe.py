@@ -138,19 +138,19 @@ def _tiles(n, k, warps, stages, group_m=8):
 
 
 # By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
-# shapes (benchmarks/moe_tiles.py; BENCHMARKS.md section 1). TMA weights paid from 1024 tokens on (down) and
+# shapes (benchmarks/tiles.py moe; BENCHMARKS-history 1). TMA weights paid from 1024 tokens on (down) and
 # 2048 (gate_up); the block-ordered activation from 8192 on, with the GEMMs as persistent Gluon kernels there
-# (gate_up 809 against 843 us, down 407 against 445 at 8192 tokens, benchmarks/gluon_moe_gemm.py; the layer with
+# (gate_up 809 against 843 us, down 407 against 445 at 8192 tokens, retired gluon_moe_gemm.py; the layer with
 # LoRA 1.427 / 1.467 ms against 1.477 / 1.540 in Triton, 4 adapters shared-outer / 1 per-expert). The Gluon GEMMs at
 # 4096 tokens: base 3% faster, LoRA 1-2% (overhead 1.104 against 1.080), not taken; at 2048 slower. A/B in one
-# process (benchmarks/moe_variants.py):
+# process (the retired benchmarks/moe_variants.py):
 # the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
 # 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
 # 16-row blocks (within +-0.01 either way); half-height tail blocks paid at 128-row blocks (base 1.2-4% faster
 # from 2048 tokens on), not at 64-row ones; the down shrink inside the down GEMM (pair_shrink, shared down B) paid
 # at 128-row blocks (1.083 against 1.110 at 4096 tokens, 4 adapters mixed), not at 16 / 64 (1.116 / 1.128 against
 # 1.101 / 1.094 at 256 / 1024).
-# The per-block shrinks at 128-row blocks, PEFT's per-expert factors, 4096 tokens (benchmarks/lora_shrinks.py):
+# The per-block shrinks at 128-row blocks, PEFT's per-expert factors, 4096 tokens (benchmarks/tiles.py shrinks):
 # gate_up (K 2048, R 32) 32.8 us at 4 stages against 34.4 at 3; down (K 768, R 16) 23.1 us with 64-wide K steps
 # against 26.2 with 128. At 16-row blocks (128 tokens) the defaults were the fastest.
 _SHRINK_128 = {"gate_up": dict(num_stages=4), "down": dict(BLOCK_K=64)}
@@ -224,7 +224,7 @@ SHRINK_TILES = dict(BLOCK_K=256, num_warps=4, num_stages=3)  # the per-block shr
 # The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
 # columns, each row keeping its own slot's) while that is at most ALL_SLOTS_MAX wide, else one pass per slot; a
 # block of one slot (most blocks at large M) always takes the one narrow pass.
-# H100, Qwen3-30B-A3B shapes, 4 adapters (benchmarks/moe_variants.py): LoRA overhead 1.071-1.117 against
+# H100, Qwen3-30B-A3B shapes, 4 adapters (the retired benchmarks/moe_variants.py): LoRA overhead 1.071-1.117 against
 # 1.085-1.126 one pass per slot. The same side-by-side trick for the expand measured slower at every M
 # (1.076-1.405 against 1.071-1.117): blocks of large M hold one or two slots, and the wide dot costs more there.
 ALL_SLOTS_MAX = 128
@@ -341,7 +341,7 @@ def moe_lora_shrink_kernel(
     blocks without an adapter are skipped (their rows are never read). ALL_SLOTS: a block with several slots
     computes them side by side in one pass over K (BLOCK_S * BLOCK_R columns) and each row keeps its own slot's;
     else (and for a block of one slot, the common case at large M) one pass per slot in the block. One program
-    per aligned block: slicing blocks into 16-64-row programs measured slower (BENCHMARKS.md section 1)."""
+    per aligned block: slicing blocks into 16-64-row programs measured slower (BENCHMARKS-history.md section 1)."""
     pid_m = tl.program_id(0)
     hi = tl.load(block_hi_ptr + pid_m)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr) or hi < 0:

@@ -25,7 +25,7 @@ from .rms_norm import rms_norm_ref
 from .rope import attention_layout, rope_ref
 
 # grid (cdiv(T, TOKENS_PER_PROGRAM), heads); tl.dot of the LoRA delta needs 16 at least. H100, 4 x 1024 tokens, q of
-# Qwen3-30B-A3B (benchmarks/dense_lora_tiles.py --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
+# Qwen3-30B-A3B (benchmarks/tiles.py dense --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
 TOKENS_PER_PROGRAM = 32
 
 

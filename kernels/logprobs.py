@@ -41,7 +41,7 @@ NUM_STAGES_FP32 = 2  # fp32 tiles take twice the shared memory
 FP32_DOT = "tf32x3"  # fp32 inputs: 3 TF32 tensor-core products, about fp32 accuracy ("ieee" is ~10x slower)
 COMBINE_BLOCK = 256  # rows per program of the combine kernel
 # Load through TMA descriptors where hidden and weight allow it: H100, Qwen3-30B-A3B's lm_head, bf16
-# (benchmarks/logprobs_kernel.py): 4.21 against 4.63 ms at 4096 rows, 8.68 against 9.72 at 8192, 1.13 against 1.22
+# (benchmarks/tiles.py logprobs): 4.21 against 4.63 ms at 4096 rows, 8.68 against 9.72 at 8192, 1.13 against 1.22
 # at 1024 (0.86-0.90x cuBLAS computing the logits alone), 0.282 against 0.275 at 128.
 TMA = True
 

@@ -14,9 +14,8 @@ Observing intermediates (`lora-eval diagnose`): `Forward.probe`, None by default
   router_topk [T, k]    the chosen expert ids                        (likewise)
   moe [T, H]            the routed experts' output, before any residual or shared-expert add   (moe)
   residual [T, H]       the residual stream after the layer          (models' layer loops)
-Where a kernel fuses one of these into a sum (o_proj's and the MoE's residual add, the router LoRA's expand inside
-the top-k), the observed part is computed once more on its own and the fused result is kept, so a probe never
-changes what the forward returns. With no probe nothing of this runs: one `is None` test per report site.
+Where a kernel fuses one of these into a sum (o_proj's and the MoE's residual add), the observed part is computed
+once more on its own and the fused result is kept, so a probe never changes what the forward returns. With no probe nothing of this runs: one `is None` test per report site.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from .kernels.fused_moe import fused_moe_ref
 from .kernels.linear import linear_ref
 from .kernels.rms_norm import rms_norm_ref
 from .kernels.rope import rope_ref
-from .kernels.router import router_topk_ref
+from .kernels.router import router_topk, router_topk_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -308,27 +307,15 @@ class Forward:
 
     def route(self, router, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Router: logits = router(x) -> softmax over the experts (float32) -> top-k -> renormalise if asked:
-        x [T, H] -> weights [T, k] float32, expert ids [T, k]. On the Triton path the router's LoRA expand runs
-        inside the top-k kernel (kernels/router.py)."""
-        lora = self.stack.dense.get(router.site) if self.triton and self.stack is not None else None
-        if not self.triton:
-            logits = self.linear(router, x)  # [T, E]
-            weights, ids = router_topk_ref(logits, top_k, renormalize)  # [T, k] float32, [T, k]
-        elif lora is None:
-            from .kernels.router import router_topk
-
-            logits = self.linear(router, x)  # [T, E]
-            weights, ids = router_topk(logits, top_k, renormalize)
+        x [T, H] -> weights [T, k] float32, expert ids [T, k]. The logits carry the rows' LoRA deltas (expanded in
+        place, `linear`) before the top-k, so that one compiled top-k serves every batch: a top-k kernel with the
+        expand inside reduced the softmax in the expand's layout, another summation order, and the routing weights
+        of rows without an adapter then differed in the last bit from a batch without adapters (issue #23)."""
+        logits = self.linear(router, x)  # [T, E]
+        if self.triton:
+            weights, ids = router_topk(logits, top_k, renormalize)  # [T, k] float32, [T, k]
         else:
-            from .kernels.dense_lora import dense_lora_shrink
-            from .kernels.router import router_topk
-
-            logits = self.linear(router, x, with_lora=False)  # [T, E]
-            shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [splits, T, R]
-            weights, ids = router_topk(logits, top_k, renormalize,
-                                       lora=(shrunk, lora.B, self.meta.row_slot, lora.slot_mask))
-            if self.probe is not None:  # the logits the top-k saw: with the LoRA expand, computed on their own
-                logits = self.linear(router, x)  # [T, E]
+            weights, ids = router_topk_ref(logits, top_k, renormalize)
         self.observe_routing(router.site, logits, ids)
         return weights, ids
 

@@ -16,6 +16,7 @@ a time, and each output is consumed before the next replay). Capture stops, and 
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -121,9 +122,20 @@ class GraphRunner:
             self.build(ids, token_slots, lora)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # entering empties the allocator's cache: measure inside
-            before = torch.cuda.memory_reserved(self.device)
-            hidden = self.build(ids, token_slots, lora)  # [rows * length, H]
+        # No garbage collection inside a capture: collecting an engine that is no longer referenced destroys its
+        # graphs, and destroying a graph while another is being captured invalidates that capture (H200: an
+        # engine built per case in one process, the earlier ones dropped). torch's graph context no longer collects
+        # on entry, so collect here, then hold collection off until the capture ends.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):  # entering empties the allocator's cache: measure inside
+                before = torch.cuda.memory_reserved(self.device)
+                hidden = self.build(ids, token_slots, lora)  # [rows * length, H]
+        finally:
+            if collecting:
+                gc.enable()
         self.pool_bytes += max(torch.cuda.memory_reserved(self.device) - before, 0)
         self.plan.captured[(rows, length, lora)] = self.pool_bytes
         return _Graph(graph, ids, token_slots, hidden)

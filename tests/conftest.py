@@ -24,8 +24,8 @@ MOE_OVERRIDES = dict(moe_intermediate_size=8)
 
 @pytest.fixture
 def seed(request) -> int:
-    """Fresh each run; shown in the test's report section so a failure can be replayed."""
-    value = random.SystemRandom().randrange(2**31)
+    """Fresh each run; shown in the test's report section so a failure can be replayed (LORA_EVAL_TEST_SEED=N)."""
+    value = int(os.environ.get("LORA_EVAL_TEST_SEED") or random.SystemRandom().randrange(2**31))
     request.node.user_properties.append(("seed", value))
     print(f"seed={value}")
     return value
@@ -33,7 +33,8 @@ def seed(request) -> int:
 
 @pytest.fixture(scope="session")
 def session_seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
+    """The session's models' seed, printed at setup; LORA_EVAL_SESSION_SEED=N replays one."""
+    value = int(os.environ.get("LORA_EVAL_SESSION_SEED") or random.SystemRandom().randrange(2**31))
     print(f"session seed={value}")
     return value
 

@@ -135,10 +135,12 @@ def test_compare_under_torchrun_matches_one_process(demo, tmp_path, ranks):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallel over GPUs needs two of them")
 def test_expert_parallel_over_two_gpus_matches_one_gpu(demo, tmp_path):
     """On a machine with 2+ GPUs: the demo's compare with --expert-parallel over 2 GPUs (NCCL, the Triton kernels on
-    each rank's received pairs) against the demo's own one-GPU run, both float32. Within 1e-4, not the CPU's 1e-5:
-    the expert GEMMs sum in other tile compositions here, and on the GPU that is not bit-neutral."""
+    each rank's received pairs) against the demo's own one-GPU run, both float32 (the demo's dtype; on a GPU compare's
+    own default is bf16). Within 1e-4, not the CPU's 1e-5: the expert GEMMs sum in other tile compositions here, and
+    on the GPU that is not bit-neutral."""
     out = tmp_path / "run"
-    code, stdout, stderr = finish(torchrun(2, [*demo_compare(demo, out), "--expert-parallel"]), timeout=600)
+    code, stdout, stderr = finish(torchrun(2, [*demo_compare(demo, out), "--expert-parallel", "--dtype", "float32"]),
+                                  timeout=600)
     assert code == 0, (stdout, stderr)
     ours, one = (pd.read_parquet(folder / "tokens.parquet") for folder in (out, demo / "report"))
     assert json.loads((demo / "report" / "run.json").read_text())["resolved"]["dtype"] == "float32"

@@ -290,14 +290,29 @@ def k2(ref, out) -> float:
     return (d * d / 2).mean().item()
 
 
+def assert_bf16_like_cpu(label: str, fp32, gpu, cpu) -> None:
+    """The GPU's bf16 logprobs `gpu` against the CPU float32 engine's `fp32`, beside the CPU engine's own bf16 run
+    `cpu` of the same model and rows. The test is the bulk of the tokens: the median |d| within 1.5x the CPU bf16's
+    (the kernels' precision). k2 is not: it is carried by the few tokens whose top-k routing flips on last-bit
+    differences, 0.1-0.8 nats each, which either side may hit (GLM-4.5, 13 seeds replayed on an H200: the GPU's
+    median 0.76x to 1.16x the CPU's, 0.93x on average, while its k2 ranged 0.02x to 10.7x the CPU's; BENCHMARKS.md
+    "GPU numerics"). A gross error still fails: k2 below max(1e-3, 10x the CPU's)."""
+    d_gpu, d_cpu = (torch.cat([(a - b).float() for a, b in zip(fp32, out)]).abs() for out in (gpu, cpu))
+    k2_gpu, k2_cpu = ((d * d / 2).mean().item() for d in (d_gpu, d_cpu))
+    median_gpu, median_cpu = d_gpu.median().item(), d_cpu.median().item()
+    print(f"{label} bf16 vs CPU float32: cuda median |d| {median_gpu:.3g}, k2 {k2_gpu:.3g}; "
+          f"cpu bf16 median |d| {median_cpu:.3g}, k2 {k2_cpu:.3g}")
+    assert median_gpu <= 1.5 * median_cpu
+    assert k2_gpu < max(1e-3, 10 * k2_cpu)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe"])
 def test_cuda_engine_matches_cpu_float32(family, checkpoint, tmp_path, seed):
-    """float32 on CUDA against the CPU float32 engine (the kernels, no precision excuse), then bf16 on CUDA:
-    k2 below 1e-4 on a model stored in bf16 with less peaked routing and next-token distributions (top-3;
-    router gain 2, lm_head gain 0.5), unless the CPU engine's own bf16 run shows this seed's precision floor is
-    higher (then no more than twice that floor)."""
+    """float32 on CUDA against the CPU float32 engine (the kernels, no precision excuse), then bf16 on CUDA on a
+    model stored in bf16 with less peaked routing and next-token distributions (top-3; router gain 2, lm_head
+    gain 0.5) as precise as the CPU engine's own bf16 run (assert_bf16_like_cpu)."""
     seqs = random_sequences(16, VOCAB, seed=seed, max_len=40)
     tags = ["peft", "experts", None, "peft"] * 4
     model_dir = checkpoint(family)
@@ -309,12 +324,11 @@ def test_cuda_engine_matches_cpu_float32(family, checkpoint, tmp_path, seed):
                              lm_head_gain=0.5, num_experts_per_tok=3)
     adapters = family_adapters(mild, tmp_path / "mild_adapters", seed)
     ref = run(mild, adapters, "torch", "cpu", torch.float32, seqs, tags)
-    bf16 = k2(ref, run(mild, adapters, None, "cuda", torch.bfloat16, seqs, tags))
-    floor = k2(ref, run(mild, adapters, "torch", "cpu", torch.bfloat16, seqs, tags))
-    print(f"{family} k2 vs CPU float32: cuda float32 {fp32:.3g}; mild model: cuda bf16 {bf16:.3g}, "
-          f"cpu bf16 {floor:.3g}")
+    gpu = run(mild, adapters, None, "cuda", torch.bfloat16, seqs, tags)
+    cpu = run(mild, adapters, "torch", "cpu", torch.bfloat16, seqs, tags)
+    print(f"{family} k2 vs CPU float32: cuda float32 {fp32:.3g}")
     assert fp32 < 1e-8
-    assert bf16 < max(1e-4, 2 * floor)
+    assert_bf16_like_cpu(family, ref, gpu, cpu)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_m
 from tests.conftest import CPU
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
     run_one_adapter, varied_sequences
-from tests.test_families import base_hf, k2, run  # noqa: F401 (base_hf: a fixture)
+from tests.test_families import assert_bf16_like_cpu, base_hf, k2, run  # noqa: F401 (base_hf: a fixture)
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
 VOCAB = 96
@@ -317,12 +317,11 @@ def test_cuda_engine_matches_cpu_float32(checkpoint, tmp_path, seed):
     mild = set_random_correction_bias(mild, seed=seed)
     adapters = family_adapters(mild, tmp_path / "mild_adapters", seed)
     ref = run(mild, adapters, "torch", "cpu", torch.float32, seqs, tags)
-    bf16 = k2(ref, run(mild, adapters, None, "cuda", torch.bfloat16, seqs, tags))
-    floor = k2(ref, run(mild, adapters, "torch", "cpu", torch.bfloat16, seqs, tags))
-    print(f"glm4_moe k2 vs CPU float32: cuda float32 {fp32:.3g}; mild model: cuda bf16 {bf16:.3g}, "
-          f"cpu bf16 {floor:.3g}")
+    gpu = run(mild, adapters, None, "cuda", torch.bfloat16, seqs, tags)
+    cpu = run(mild, adapters, "torch", "cpu", torch.bfloat16, seqs, tags)
+    print(f"glm4_moe k2 vs CPU float32: cuda float32 {fp32:.3g}")
     assert fp32 < 1e-8
-    assert bf16 < max(1e-4, 2 * floor)
+    assert_bf16_like_cpu("glm4_moe", ref, gpu, cpu)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,11 @@
 """The CUDA-graph runner on a GPU (marker gpu): replay equals the eager forward bit for bit on the same padded
 batch, a batch without adapter rows replays the plain graph and equals the base model, a mixed batch routes
-every row to its adapter, and neither the captured forward nor a replay synchronises with the host."""
+every row to its adapter, neither the captured forward nor a replay synchronises with the host, and an engine
+dropped earlier does not break a later engine's capture."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -102,3 +105,26 @@ def test_captured_forward_and_replay_do_not_sync(moe_model, adapters, seed):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_a_dropped_engine_does_not_break_a_later_capture(moe_model, adapters, seed):
+    """An engine with captured graphs, dropped in a reference cycle (only the garbage collector frees it), then a
+    new engine captures with collection as eager as it gets: without collection held off during a capture, the
+    old engine's graphs were destroyed mid-capture and the capture failed (cudaErrorStreamCaptureInvalidated)."""
+    seqs = random_sequences(3, VOCAB, seed=seed, min_len=20, max_len=40)
+    tags = ["peft", None, "tinker"]
+    old = engine(moe_model, adapters)
+    expected = old.logprobs(Batch(seqs, tags))
+    assert old.graph_stats()["graphs"] == 1
+    cycle = [old]
+    cycle.append(cycle)
+    del old, cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        new = engine(moe_model, adapters)
+        got = new.logprobs(Batch(seqs, tags))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert new.graph_stats()["graphs"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -103,10 +103,9 @@ def _gluon_gemms(T: int):
 
 def _dense_consumers(T: int = 128):
     """Every consumer of a dense LoRA shrink at MAX_SPLITS partial sums, Qwen3-30B-A3B shapes (bf16): the expand,
-    o_proj's residual add, q's norm + RoPE, the router's top-k (the seventh session's 274 KB overflow)."""
+    o_proj's residual add, q's norm + RoPE (the router's top-k took one too, until its expand moved out: issue #23)."""
     from lora_eval.kernels.dense_lora import MAX_SPLITS, dense_lora_expand, lora_metadata, lora_residual_add
     from lora_eval.kernels.head_norm_rope import head_norm_rope
-    from lora_eval.kernels.router import router_topk
 
     R, S, D = 16, 4, 128
     bf16 = dict(dtype=torch.bfloat16)
@@ -119,7 +118,6 @@ def _dense_consumers(T: int = 128):
     cos = sin = torch.empty(1, T, D, **bf16)
     head_norm_rope(torch.empty(T, 32 * D, **bf16), torch.empty(D, **bf16), 1e-6, cos, sin,
                    lora=(parts, torch.empty(S, 32 * D, R, **bf16), *lora))
-    router_topk(torch.empty(T, 128, **bf16), 8, True, lora=(parts, torch.empty(S, 128, R, **bf16), *lora))
 
 
 CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)

@@ -298,10 +298,9 @@ def test_cuda_graph_replay(seed):
 def test_consumers_compile_with_the_most_partials(seed):
     """At MAX_SPLITS partial sums (a 128-token batch) every consumer of a shrink compiles at Qwen3-30B-A3B shapes
     (bf16) and gives what the summed [T, R] shrink gives, bit for bit (the same additions in the same order):
-    the expand, o_proj's residual add, q's norm + RoPE, the router's top-k."""
+    the expand, o_proj's residual add, q's norm + RoPE."""
     from lora_eval.kernels.dense_lora import MAX_SPLITS
     from lora_eval.kernels.head_norm_rope import head_norm_rope
-    from lora_eval.kernels.router import router_topk
     from lora_eval.models.layers import rope_cos_sin
 
     g = torch.Generator().manual_seed(seed)
@@ -325,7 +324,3 @@ def test_consumers_compile_with_the_most_partials(seed):
     lora = (meta.row_slot, None)
     assert torch.equal(head_norm_rope(y, w, 1e-6, cos, sin, lora=(parts, B, *lora)),
                        head_norm_rope(y, w, 1e-6, cos, sin, lora=(total, B, *lora)))
-    logits, B = rand(T, 128), rand(S, 128, R, scale=0.1)
-    for got, want in zip(router_topk(logits, 8, True, lora=(parts, B, *lora)),
-                         router_topk(logits, 8, True, lora=(total, B, *lora))):
-        assert torch.equal(got, want)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lora_eval.kernels.router import ROWS_PER_PROGRAM, router_topk, router_topk_ref
-from tests.kernels.partials import shrink_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,34 +34,6 @@ def test_router_topk_matches_reference(seed, dtype, E, k, renormalize):
         torch.testing.assert_close(weights.sum(1), torch.ones(T, device=DEVICE), rtol=1e-6, atol=1e-6)
     else:
         assert (weights.sum(1) < 0.999).all()  # the plain softmax share of the k, so renormalising would show
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_router_topk_with_lora_delta(seed, renormalize, splits):
-    """The router's LoRA expand inside the top-k kernel: rows of 3 slots (one masked off: no weights here) and of
-    none, a program holding two slots, the shrink as one [T, R] or as partial sums; the deltas move the top-k (so
-    dropping them fails) and rows without one pick what the plain kernel picks."""
-    g = torch.Generator().manual_seed(seed)
-    T, E, k, S, R = 2 * ROWS_PER_PROGRAM + 5, 60, 4, 3, 5
-    logits = distinct_logits(T, E, g, torch.float32)
-    given, shrunk = (t.to(DEVICE) for t in shrink_partials(splits, T, R, g))
-    B = torch.randn(S, E, R, generator=g).to(DEVICE)
-    slots = torch.randint(-1, S, (T,), generator=g)
-    slots[ROWS_PER_PROGRAM - 3:ROWS_PER_PROGRAM + 3] = torch.tensor([0, 0, 0, 2, 2, 2])  # across a program edge
-    slot_mask = torch.tensor([True, False, True], device=DEVICE)  # slot 1 has no weights here
-    weights, ids = router_topk(logits, k, renormalize, lora=(given, B, slots.to(DEVICE, torch.int32), slot_mask))
-    with_delta = logits.clone()
-    for s in (0, 2):
-        rows = (slots == s).nonzero().squeeze(1).to(DEVICE)
-        with_delta[rows] += shrunk[rows] @ B[s].T
-    ref_w, ref_ids = router_topk_ref(with_delta, k, renormalize)
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
-    plain_w, plain_ids = router_topk(logits, k, renormalize)
-    untouched = ((slots == -1) | (slots == 1)).to(DEVICE)
-    assert torch.equal(ids[untouched], plain_ids[untouched]) and torch.equal(weights[untouched], plain_w[untouched])
-    assert not torch.equal(ids[~untouched], plain_ids[~untouched])  # the deltas matter
 
 
 def test_router_topk_ties_take_the_lower_expert():
