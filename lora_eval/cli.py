@@ -442,6 +442,7 @@ def diagnose_cmd(model_dir, adapters, references, out, samples, against_model, a
                       batch_tokens=batch_tokens, quiet=quiet, overwrite=overwrite, notice=notice)
     if speaks():
         click.echo(diagnose_summary(result))
+        click.echo(f"\ntime: {phase_times(result.run)}")
         click.echo(f"report: {out}/diagnose.html (markdown: {out}/diagnose.md)")
     sys.exit(result.exit_code)
 

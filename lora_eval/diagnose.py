@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,7 +67,7 @@ from .names import BASE
 from .one_layer import LayerLoader
 from .plan import check_fits, host_memory_available, plan
 from .references import read_reference
-from .results import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult,
+from .results import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult, Phases,
                       diagnose_table_files, read_diagnose)
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
 
@@ -90,7 +89,7 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     gets most wrong; return (and, with `out`, write as a run folder) the per-layer errors, the adapters' per-module
     effects and the first divergent layer per adapter. `references` holds paths or (adapter name, path) pairs, as
     for `compare`; see the module notes for the sides, the samples and the rule."""
-    t_start = time.perf_counter()
+    phases = Phases()
     options = (options or EngineOptions()).resolved()
     if options.expert_parallel or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise InputError("WORLD_SIZE", "diagnose runs in one process: run it without torchrun or expert parallel")
@@ -105,16 +104,18 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     _, args = model_config(model)
     if against_model is not None:
         _check_against(args, against_model)
-    refs = _read_references(references, adapters, args.vocab_size)
-    lengths = [len(ids) for ids in refs["input_ids"]]
-    batches = make_batches(lengths, batch_tokens)
+    with phases("read"):
+        refs = _read_references(references, adapters, args.vocab_size)
+        lengths = [len(ids) for ids in refs["input_ids"]]
+        batches = make_batches(lengths, batch_tokens)
     tags = [a if isinstance(a, str) else BASE for a in refs["adapter"]]
     order = [BASE, *adapters]  # reports list base first, then the adapters as given
     picked = {tag: min(samples, tags.count(tag)) for tag in order}
     measured, why = _measurement(model, adapters, against_model, options, against_dtype, max(lengths),
                                  layer_by_layer, batch_tokens)
-    parsed = read_adapters(model, adapters, options)
-    quantization = load_model(model, device="meta").args.quantization
+    with phases("load"):  # the adapters' files (the models' load with their first use)
+        parsed = read_adapters(model, adapters, options)
+        quantization = load_model(model, device="meta").args.quantization
     floor = noise_floor(options.dtype, against_dtype)
     arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                      references=[_ref_arg(r) for r in references], samples=samples,
@@ -133,7 +134,6 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
                    dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:
         if folder.stored is not None:
             return read_diagnose(out)
-        timings = {}
         sides = _Sides(model, parsed, options, against_model, against_dtype)
         n_chosen = sum(picked.values())
         n_adapter = sum(n for tag, n in picked.items() if tag != BASE)
@@ -147,49 +147,50 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
             [2 * longest] * len(compare_units) + [longest] * len(effect_units)  # tokens, for the progress bar
 
         with folder.work(weights, "diagnose", "tok", quiet) as work:
-            t0 = time.perf_counter()
-            for b in work.steps(k2_units):
-                rows = refs.iloc[batches[b]]
-                logprobs = sides.a.logprobs(Batch(list(rows["input_ids"]), [_adapter(t) for t in rows["adapter"]]))
-                work.record(b, _k2_rows(rows, batches[b], logprobs))
-            timings["k2_s"] = time.perf_counter() - t0
+            with phases("k2"):  # (side A loads with its first batch)
+                for b in work.steps(k2_units):
+                    rows = refs.iloc[batches[b]]
+                    logprobs = sides.a.logprobs(Batch(list(rows["input_ids"]),
+                                                      [_adapter(t) for t in rows["adapter"]]))
+                    work.record(b, _k2_rows(rows, batches[b], logprobs))
             chosen = _choose({u: work.done[u] for u in k2_units}, tags, order, samples)
-            t0 = time.perf_counter()
-            for u in work.steps(compare_units):
-                if measured == FREE_RUNNING:
-                    i = chosen[u - compare_units[0]]
-                    work.record(u, _free_running(sides, i, refs["input_ids"][i], _adapter(refs["adapter"][i])))
-                else:
-                    work.record(u, _one_layer(sides, u - compare_units[0], chosen, refs))
-            timings["compare_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            with_adapter = [i for i in chosen if tags[i] != BASE]
-            for u in work.steps(effect_units):
-                i = with_adapter[u - effect_units[0]]
-                work.record(u, _effects(sides, i, refs["input_ids"][i], tags[i]))
-            timings["effects_s"] = time.perf_counter() - t0
+            with phases("compare"):
+                for u in work.steps(compare_units):
+                    if measured == FREE_RUNNING:
+                        i = chosen[u - compare_units[0]]
+                        work.record(u, _free_running(sides, i, refs["input_ids"][i], _adapter(refs["adapter"][i])))
+                    else:
+                        work.record(u, _one_layer(sides, u - compare_units[0], chosen, refs))
+            with phases("effects"):
+                with_adapter = [i for i in chosen if tags[i] != BASE]
+                for u in work.steps(effect_units):
+                    i = with_adapter[u - effect_units[0]]
+                    work.record(u, _effects(sides, i, refs["input_ids"][i], tags[i]))
         sides.release()
 
         def merge(frames: dict[int, pd.DataFrame]) -> DiagnoseResult:
-            units = pd.concat([frames[u] for u in sorted(frames)], ignore_index=True)
-            chosen = _choose({u: frames[u] for u in k2_units}, tags, order, samples)
-            sample_tag = {i: tags[i] for i in chosen}
-            layers = layer_table(units[units["kind"].isin(["error", "flip"])], sample_tag, order)
-            modules = module_table(units[units["kind"] == "module"], sample_tag, order)
-            record = dict(
-                measured=measured, why=why, points=DIAGNOSE_POINTS, side_a=_side_a(model, options),
-                side_b=_side_b(model, options, against_model, against_dtype),
-                rule=dict(rule, text=RULE_TEXT.format(factor=FACTOR, floor=floor)),
-                adapters={tag: _adapter_record(tag, layers, units, refs, chosen, tags, measured, floor)
-                          for tag in order})
-            timings["total_s"] = time.perf_counter() - t_start
+            with phases("metrics"):
+                units = pd.concat([frames[u] for u in sorted(frames)], ignore_index=True)
+                chosen = _choose({u: frames[u] for u in k2_units}, tags, order, samples)
+                sample_tag = {i: tags[i] for i in chosen}
+                layers = layer_table(units[units["kind"].isin(["error", "flip"])], sample_tag, order)
+                modules = module_table(units[units["kind"] == "module"], sample_tag, order)
+                record = dict(
+                    measured=measured, why=why, points=DIAGNOSE_POINTS, side_a=_side_a(model, options),
+                    side_b=_side_b(model, options, against_model, against_dtype),
+                    rule=dict(rule, text=RULE_TEXT.format(factor=FACTOR, floor=floor)),
+                    adapters={tag: _adapter_record(tag, layers, units, refs, chosen, tags, measured, floor)
+                              for tag in order})
             run = folder.run_record(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
                                                                        against_dtype=against_dtype, measured=measured),
-                                    timings=timings, work=work.stats(), samples=len(chosen),
+                                    timings=phases.timings(), work=work.stats(), samples=len(chosen),
                                     quantization=quantization)
             result = DiagnoseResult(layers=layers, modules=modules, record=record, run=run)
             result.run["completed"] = dict(at=now(), exit_code=EXIT_PASS)
-            folder.commit({**diagnose_table_files(result), **diagnose_report_files(result)}, result.run)
+            with phases("write"):  # (the reports show the phases before this one: results.WRITTEN_AFTER_REPORTS)
+                written = {**diagnose_table_files(result), **diagnose_report_files(result)}
+            result.run["timings"] = phases.timings()
+            folder.commit(written, result.run)
             return result
 
         return folder.finish(work, merge, lambda: read_diagnose(out))

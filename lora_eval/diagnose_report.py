@@ -8,9 +8,6 @@ import html
 
 import numpy as np
 import pandas as pd
-from matplotlib import rc_context
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from . import plots
 from .formatting import fixed_width, markdown_table, model_line
@@ -126,12 +123,14 @@ def diagnose_markdown(result: DiagnoseResult) -> str:
 # ---- HTML ------------------------------------------------------------------------------------------------
 
 
-def error_figure(layers: pd.DataFrame, adapter: str, first: int | None) -> Figure:
+def error_figure(layers: pd.DataFrame, adapter: str, first: int | None) -> plots.Figure:
     """rel_error per layer (log scale) of each point, and the router flip rate per MoE layer, of one adapter; the
     first divergent layer marked."""
+    from matplotlib.ticker import MaxNLocator
+
     mine = layers[layers["adapter"] == adapter]
-    with rc_context(plots.STYLE):
-        fig = Figure(figsize=(plots.WIDTH, 5.0), dpi=plots.DPI, layout="constrained")
+    with plots.styled():
+        fig = plots.new_figure(plots.WIDTH, 5.0)
         errors, flips = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
         colors = plots.color_of(DIAGNOSE_POINTS)
         for point in DIAGNOSE_POINTS:

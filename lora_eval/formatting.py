@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pandas as pd
 
+from .results import WRITTEN_AFTER_REPORTS
+
 # compare summary columns shown to people (k2_over_floor only where the references give a floor: shown_columns)
 SHOWN = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error",
          "k2_over_floor", "passed", "failed"]
@@ -45,6 +47,12 @@ def model_line(run: dict) -> str:
     args, resolved = run.get("arguments", {}), run.get("resolved", {})
     quantized = f" ({run['quantization']})" if run.get("quantization") else ""
     return f"Model `{args.get('model')}`{quantized}, dtype {resolved.get('dtype')}, device {resolved.get('device')}"
+
+
+def report_timings(run: dict) -> dict:
+    """The phase times a report shows: run.json's timings but those known only after the reports are rendered
+    (the write phase and the total), so that re-rendering a run folder gives the bytes the run wrote."""
+    return {k: v for k, v in (run.get("timings") or {}).items() if k not in WRITTEN_AFTER_REPORTS}
 
 
 def versions_of(run: dict) -> dict:

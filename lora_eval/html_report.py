@@ -14,7 +14,7 @@ import pandas as pd
 
 from . import plots
 from .formatting import (cell, compare_verdict, display_table, floor_clause, gate_lines, mmlu_verdict, model_line,
-                         shown_columns, shown_text, versions_of)
+                         report_timings, shown_columns, shown_text, versions_of)
 from .names import BASE
 from .results import WORST_PER_ADAPTER
 
@@ -84,7 +84,7 @@ def _run_facts(run: dict) -> list[str]:
             f"{run['questions_per_s']:,.1f} questions/s" if "questions_per_s" in run else "speed not recorded"
         parts.append(f"<p>{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
                      f"{speed}.</p>")
-    for key, values in (("Timings", run.get("timings")), ("Versions", versions_of(run))):
+    for key, values in (("Timings", report_timings(run)), ("Versions", versions_of(run))):
         if values:
             parts.append(f"<p>{key}: " + ", ".join(
                 f"{_esc(k)} {v:.2f}" if isinstance(v, float) else f"{_esc(k)} {_esc(v)}"

@@ -17,7 +17,6 @@ rank must take part in every MoE layer's exchange).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ from .names import BASE
 from .plan import check_fits
 from .prefixes import common_length, grouped_order
 from .report import report_files
-from .results import MmluResult, read_run, table_files
+from .results import MmluResult, Phases, read_run, table_files
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
 from .tokenizer import load_tokenizer
 
@@ -72,7 +71,7 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     is a run folder (runfolder.py): complete runs of the same inputs are returned as saved, partial ones resumed,
     others refused unless `overwrite`. `engine`: an engine already built (its adapters replace `adapters`; `model`
     is then the folder with config.json and the tokenizer only, e.g. for benchmarks on in-memory weights)."""
-    t_start = time.perf_counter()
+    phases = Phases()
     ranks = Ranks.from_env()
     with together(ranks):  # every rank checks the same inputs; one line says what is wrong
         options = (options or EngineOptions()).resolved()
@@ -93,37 +92,37 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, data=str(data),
                          split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop,
                          batch_tokens=batch_tokens)
-        timings = {}
+        with phases("data"):
+            layout, files, questions = read_split(data, split)
+            questions = select(questions, subjects, limit, data, split)
+            dev = None
+            if shots > 0:
+                _, dev_files, dev = read_split(data, "dev")
+                files += dev_files
+                dev = check_shots(dev, questions, shots, layout, data)
 
-        t0 = time.perf_counter()
-        layout, files, questions = read_split(data, split)
-        questions = select(questions, subjects, limit, data, split)
-        dev = None
-        if shots > 0:
-            _, dev_files, dev = read_split(data, "dev")
-            files += dev_files
-            dev = check_shots(dev, questions, shots, layout, data)
-        timings["data_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        config, args = model_config(model)
-        max_len = config.get("max_position_embeddings")
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
-            raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
-                             key="max_position_embeddings")
-        tokenizer = load_tokenizer(model, needed_for="mmlu")
-        candidates = answer_tokens(tokenizer, model)
-        ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
-        largest = max([*candidates, *(max(row) for row in ids if row)])
-        if largest >= args.vocab_size:
-            raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the "
-                             f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
-                             "belong to this model", key="vocab_size")
-        if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
-            check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                       ranks.world if ranks and options.expert_parallel else 1,
-                       options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel else 0)
-        parsed = None if engine is not None else read_adapters(model, adapters, options)
+        with phases("load"):  # the tokenizer
+            config, args = model_config(model)
+            max_len = config.get("max_position_embeddings")
+            if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+                raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
+                                 key="max_position_embeddings")
+            tokenizer = load_tokenizer(model, needed_for="mmlu")
+        with phases("tokenize"):
+            candidates = answer_tokens(tokenizer, model)
+            ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
+            largest = max([*candidates, *(max(row) for row in ids if row)])
+            if largest >= args.vocab_size:
+                raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the "
+                                 f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
+                                 "belong to this model", key="vocab_size")
+        with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
+            if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
+                check_fits(model, adapters, options.device, options.dtype, batch_tokens,
+                           ranks.world if ranks and options.expert_parallel else 1,
+                           options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel
+                           else 0)
+            parsed = None if engine is not None else read_adapters(model, adapters, options)
         models = [BASE, *adapters]
         tags = [None, *adapters]
         rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
@@ -133,34 +132,34 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         if options.prefix_cache and options.expert_parallel:
             notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
                    "full prompts run")
-        if use_prefixes:
-            groups, shared = subject_prefixes(questions, used, ids)
-            rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
-            suffix = [n - p for n, p in zip(lengths, rows_prefix)]
-            batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags]),
-                                       suffix, batch_tokens)
-        else:
-            rows_prefix, suffix = None, lengths
-            batches = make_batches(lengths, batch_tokens)
-        timings["tokenize_s"] = time.perf_counter() - t0
+        with phases("tokenize"):  # (the shared prefixes and batches, from the token ids)
+            if use_prefixes:
+                groups, shared = subject_prefixes(questions, used, ids)
+                rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
+                suffix = [n - p for n, p in zip(lengths, rows_prefix)]
+                batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags]),
+                                           suffix, batch_tokens)
+            else:
+                rows_prefix, suffix = None, lengths
+                batches = make_batches(lengths, batch_tokens)
 
         data_root = Path(data)
         task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
                             max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
                             engine="given" if engine is not None else "loaded")
-        inputs = {**model_files(model), **adapter_files(adapters),
-                  **{f"data/{path.relative_to(data_root)}": file_digest(path) for path in sorted(set(files))}}
-        package_versions = versions("datasets", "tokenizers")
+        with phases("data"):  # the inputs' fingerprints (the data files whole, the weights sampled)
+            inputs = {**model_files(model), **adapter_files(adapters),
+                      **{f"data/{path.relative_to(data_root)}": file_digest(path) for path in sorted(set(files))}}
+            package_versions = versions("datasets", "tokenizers")
     with RunFolder(out, "mmlu", fingerprint("mmlu", inputs, task_options, package_versions),
                    dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:
         if folder.stored is not None:
             return read_run(out)
-        t0 = time.perf_counter()
-        engine = engine or Engine.load(model, parsed, options)
-        timings["load_s"] = time.perf_counter() - t0
+        with phases("load"):
+            engine = engine or Engine.load(model, parsed, options)
 
-        t0 = time.perf_counter()
-        with folder.work([len(b) for b in batches], "mmlu", "rows", quiet, lockstep=options.expert_parallel) as work:
+        with phases("forward"), folder.work([len(b) for b in batches], "mmlu", "rows", quiet,
+                                            lockstep=options.expert_parallel) as work:
             for b in work.steps(range(len(batches))):
                 if b is None:
                     engine.stand_in()
@@ -173,21 +172,19 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 computed = [engine.tokens_computed - before] + [0] * (len(batch) - 1)  # the unit's, on its first row
                 work.record(b, pd.DataFrame({"row": batch, **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
                                              "tokens_computed": np.asarray(computed, dtype=np.int64)}))
-        timings["forward_s"] = time.perf_counter() - t0
+        phases.captured(engine.graph_stats())
 
         def merge(frames: dict[int, pd.DataFrame]) -> MmluResult:
-            lp = np.empty((len(rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
-            tokens_computed = 0  # by whichever run and rank computed each unit
-            for frame in frames.values():
-                lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
-                tokens_computed += int(frame["tokens_computed"].sum()) if "tokens_computed" in frame else 0
-
-            t0 = time.perf_counter()
-            table = question_table(questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
-            subject_rows = subject_table(table)
-            summary = summary_table(table, max_drop)
-            timings["metrics_s"] = time.perf_counter() - t0
-            timings["total_s"] = time.perf_counter() - t_start
+            with phases("metrics"):
+                lp = np.empty((len(rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
+                tokens_computed = 0  # by whichever run and rank computed each unit
+                for frame in frames.values():
+                    lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
+                    tokens_computed += int(frame["tokens_computed"].sum()) if "tokens_computed" in frame else 0
+                table = question_table(questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
+                subject_rows = subject_table(table)
+                summary = summary_table(table, max_drop)
+            timings = phases.timings()
             prompt_lengths = np.array([len(row) for row in ids])
             computed_s = max(timings["forward_s"], 1e-9)
             run = folder.run_record(
@@ -210,7 +207,10 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
             result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)
             result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
-            folder.commit({**table_files(result), **report_files(result)}, result.run)
+            with phases("write"):  # (the reports show the phases before this one: results.WRITTEN_AFTER_REPORTS)
+                written = {**table_files(result), **report_files(result)}
+            result.run["timings"] = phases.timings()
+            folder.commit(written, result.run)
             return result
 
         return folder.finish(work, merge, lambda: read_run(out))

@@ -2,19 +2,21 @@
 
 Every function takes the run's DataFrames and returns a `Figure`; `png(fig)` turns one into PNG bytes that
 are the same byte for byte for the same data (fixed style, fixed size and dpi, no software/date metadata),
-so a report re-rendered from the saved files equals the original.
+so a report re-rendered from the saved files equals the original. matplotlib is imported with the first figure (it
+takes ~0.5 s: a command that draws nothing, or stops at a bad input, does not wait for it).
 """
 
 from __future__ import annotations
 
 import io
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-from matplotlib import rc_context
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DPI = 100
 WIDTH = 8.0  # inches
@@ -27,11 +29,27 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 OVERALL = "overall"
 
 
+def styled():
+    """A context in which figures are built and drawn with STYLE."""
+    from matplotlib import rc_context
+
+    return rc_context(STYLE)
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """An empty figure (inches) on no global backend, laid out when drawn."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
 def png(fig: Figure) -> bytes:
     """The figure as deterministic PNG bytes (no Software tag, no timestamp)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(fig)
     buffer = io.BytesIO()
-    with rc_context(STYLE):
+    with styled():
         fig.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
     return buffer.getvalue()
 
@@ -41,14 +59,22 @@ def color_of(names: list[str]) -> dict[str, str]:
 
 
 def _figure(height: float, rows: int = 1, cols: int = 1, width: float = WIDTH, **kwargs):
-    with rc_context(STYLE):
-        fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    with styled():
+        fig = new_figure(width, height)
         axes = fig.subplots(rows, cols, squeeze=False, **kwargs)
     return fig, axes
 
 
-def _masked(tokens: pd.DataFrame) -> pd.DataFrame:
-    return tokens[tokens["mask"].astype(bool)]
+def _masked(tokens: pd.DataFrame, columns: list[str]) -> dict[str, np.ndarray]:
+    """The scored tokens' `columns`, as arrays (without copying the whole per-token table)."""
+    keep = tokens["mask"].to_numpy(dtype=bool)
+    return {c: tokens[c].to_numpy()[keep] for c in columns}
+
+
+def _rows_by_adapter(adapter: np.ndarray) -> dict[str, np.ndarray]:
+    """Adapter -> the indices of its rows, adapters in order of appearance (pd.unique's), 'overall' left out."""
+    codes, names = pd.factorize(adapter)
+    return {name: np.flatnonzero(codes == k) for k, name in enumerate(names) if name != OVERALL}
 
 
 def _adapters(tokens: pd.DataFrame) -> list[str]:
@@ -67,14 +93,16 @@ def _log_bins(values: np.ndarray, per_decade: int = 5) -> np.ndarray:
 
 def abs_diff_histogram(tokens: pd.DataFrame) -> Figure:
     """|ref - engine| per token, one panel per adapter, log-spaced bins on a log x axis (masked tokens)."""
-    with rc_context(STYLE):
-        tokens = _masked(tokens)
-        adapters = _adapters(tokens)
+    with styled():
+        masked = _masked(tokens, ["adapter", "d"])
+        rows = _rows_by_adapter(masked["adapter"])
+        adapters = list(rows)
         colors = color_of(adapters)
-        bins = _log_bins(np.abs(tokens["d"].to_numpy(dtype=np.float64)))
+        d = np.abs(masked["d"].astype(np.float64))
+        bins = _log_bins(d)
         fig, axes = _figure(0.4 + 1.5 * max(len(adapters), 1), rows=max(len(adapters), 1), sharex=True)
         for ax, adapter in zip(axes[:, 0], adapters):
-            a = np.abs(tokens.loc[tokens["adapter"] == adapter, "d"].to_numpy(dtype=np.float64))
+            a = d[rows[adapter]]
             zeros = int((a == 0).sum())
             ax.hist(a[a > 0], bins=bins, color=colors[adapter], alpha=0.8)
             label = f"{adapter}: {len(a)} tokens" + (f", {zeros} exactly 0 (not drawn)" if zeros else "")
@@ -87,14 +115,16 @@ def abs_diff_histogram(tokens: pd.DataFrame) -> Figure:
 
 def diff_by_position(tokens: pd.DataFrame) -> Figure:
     """Signed d = ref - engine against the token position: the mean per position and the min..max band."""
-    with rc_context(STYLE):
-        tokens = _masked(tokens)
-        adapters = _adapters(tokens)
+    with styled():
+        masked = _masked(tokens, ["adapter", "position", "d"])
+        rows = _rows_by_adapter(masked["adapter"])
+        adapters = list(rows)
         colors = color_of(adapters)
         fig, axes = _figure(3.2)
         ax = axes[0, 0]
         for adapter in adapters:
-            part = tokens[tokens["adapter"] == adapter].groupby("position")["d"]
+            part = pd.DataFrame({"position": masked["position"][rows[adapter]],
+                                 "d": masked["d"][rows[adapter]]}).groupby("position")["d"]
             stats = pd.DataFrame(dict(mean=part.mean(), lo=part.min(), hi=part.max())).sort_index()
             x = stats.index.to_numpy()
             ax.plot(x, stats["mean"].to_numpy(), color=colors[adapter], lw=1.2, label=f"{adapter} (mean)")
@@ -116,7 +146,7 @@ def _log_floor(values: np.ndarray) -> float:
 
 def k2_per_sample(samples: pd.DataFrame, max_k2: float | None) -> Figure:
     """k2 of every sample, one column per adapter (log y); the k2 threshold as a red line."""
-    with rc_context(STYLE):
+    with styled():
         samples = samples[samples["k2"].notna()]
         adapters = _adapters(samples)
         colors = color_of(adapters)
@@ -147,7 +177,7 @@ def k2_per_sample(samples: pd.DataFrame, max_k2: float | None) -> Figure:
 def noise_floor(summary: pd.DataFrame, tokens: pd.DataFrame) -> Figure:
     """The engine's mismatch beside the sampler's (ref - sampler): mean |d| and k2 per adapter, and the
     pooled |d| histograms of both."""
-    with rc_context(STYLE):
+    with styled():
         rows = summary[summary["sampler_k2"].notna()]
         names = list(rows["adapter"])
         fig, axes = _figure(3.4, cols=3)
@@ -163,9 +193,10 @@ def noise_floor(summary: pd.DataFrame, tokens: pd.DataFrame) -> Figure:
             ax.set_title(metric, loc="left")
         fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside upper center", ncols=2)
         ax = axes[0, 2]
-        masked = _masked(tokens)
-        engine = np.abs(masked["d"].to_numpy(dtype=np.float64))
-        sampler = np.abs(masked["sampler_d"].dropna().to_numpy(dtype=np.float64))
+        masked = _masked(tokens, ["d", "sampler_d"])
+        engine = np.abs(masked["d"].astype(np.float64))
+        sampler = np.abs(masked["sampler_d"].astype(np.float64))
+        sampler = sampler[~np.isnan(sampler)]
         bins = _log_bins(np.concatenate([engine, sampler]))
         ax.hist(engine[engine > 0], bins=bins, histtype="step", color="#1f77b4", lw=1.5, label="|ref - engine|")
         ax.hist(sampler[sampler > 0], bins=bins, histtype="step", color="#7f7f7f", lw=1.5, label="|ref - sampler|")
@@ -186,7 +217,7 @@ def _points_with_errors(rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 def mmlu_subject_deltas(subjects: pd.DataFrame) -> Figure:
     """Per subject: adapter accuracy - base accuracy (points) with its 95% interval, one panel per adapter,
     subjects grouped by category."""
-    with rc_context(STYLE):
+    with styled():
         rows = subjects[subjects["model"] != "base"]
         adapters = list(pd.unique(rows["model"]))
         order = rows[["category", "subject"]].drop_duplicates().sort_values(["category", "subject"])
@@ -216,7 +247,7 @@ def mmlu_subject_deltas(subjects: pd.DataFrame) -> Figure:
 
 def mmlu_group_deltas(summary: pd.DataFrame) -> Figure:
     """Accuracy difference to base (points) per group (micro, macro, categories) with 95% intervals, per adapter."""
-    with rc_context(STYLE):
+    with styled():
         rows = summary[(summary["model"] != "base") & summary["delta"].notna()]
         adapters = list(pd.unique(rows["model"]))
         groups = list(pd.unique(rows["group"]))

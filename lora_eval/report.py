@@ -13,7 +13,7 @@ import pandas as pd
 
 from .errors import InputError
 from .formatting import (compare_verdict, display_table, fixed_width, floor_clause, gate_lines, markdown_table,
-                         mmlu_verdict, model_line, points, shown_columns, shown_text, versions_of)
+                         mmlu_verdict, model_line, points, report_timings, shown_columns, shown_text, versions_of)
 from .diagnose_report import diagnose_html, diagnose_markdown
 from .html_report import compare_html, mmlu_html
 from .names import BASE
@@ -38,10 +38,14 @@ def verdict(result: CompareResult | MmluResult) -> str:
 
 
 def phase_times(run: dict) -> str:
-    """'read 0.12 s, load 2.31 s, forward 10.20 s, metrics 0.51 s': where the time went."""
-    timings = {k[:-2]: v for k, v in run.get("timings", {}).items() if k.endswith("_s") and k != "total_s"}
+    """'read 0.12 s, load 2.31 s, compile 0.00 s, forward 10.20 s, metrics 0.51 s, write 0.20 s; total 13.40 s':
+    where the time went, phase by phase (results.PHASES), as run.json records it."""
+    timings = run.get("timings") or {}
+    phases = {k[:-2]: v for k, v in timings.items() if k.endswith("_s") and k != "total_s"}
     work = run.get("work") or {}
-    text = ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
+    text = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+    if "total_s" in timings:
+        text += f"; total {timings['total_s']:.2f} s"
     if work.get("resumed_units"):
         text += f"; {work['resumed_units']} of {work['units']} units resumed from parts"
     return text
@@ -73,7 +77,7 @@ def compare_markdown(result: CompareResult) -> str:
     lines += ["## Run", "",
               f"{run.get('batches')} batches, padding waste {run.get('padding_waste', 0):.1%}, "
               f"{run.get('tokens_per_s', 0):,.0f} tokens/s; timings " +
-              ", ".join(f"{k} {v:.2f}" for k, v in run.get("timings", {}).items()), "",
+              ", ".join(f"{k} {v:.2f}" for k, v in report_timings(run).items()), "",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in versions_of(run).items()), ""]
     return "\n".join(lines)
 
@@ -123,7 +127,7 @@ def mmlu_markdown(result: MmluResult) -> str:
               f"{prompts.get('tokens_mean', 0):.0f} tokens on average (max {prompts.get('tokens_max')}), "
               f"{prompts.get('with_fewer_shots')} with fewer shots to fit; answer tokens " +
               ", ".join(f"{k} {v['token']!r} ({v['id']})" for k, v in run.get("answer_tokens", {}).items()) + ".", "",
-              "Timings (s): " + ", ".join(f"{k} {v:.2f}" for k, v in run.get("timings", {}).items()), "",
+              "Timings (s): " + ", ".join(f"{k} {v:.2f}" for k, v in report_timings(run).items()), "",
               "Versions: " + ", ".join(f"{k} {v}" for k, v in versions_of(run).items()), ""]
     return "\n".join(lines)
 

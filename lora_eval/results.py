@@ -5,13 +5,17 @@ A compare run folder holds summary.csv, samples.csv, tokens.parquet, worst_token
 applied gate, one row per adapter; only its header with --no-adapter-check), report.md, report.html and run.json;
 an mmlu run folder mmlu_questions.parquet, mmlu_subjects.csv, mmlu_summary.csv, mmlu.md, report.html and run.json.
 run.json is the run record: the command, its arguments, the fingerprint (runfolder.py), versions, timings, and
-"status": "complete" once the run has finished. A folder without that status is refused.
+"status": "complete" once the run has finished. A folder without that status is refused. Its timings are the
+phases of `Phases` (seconds): data / read / tokenize (the inputs), load, compile (CUDA-graph capture), forward,
+metrics, write (encoding the tables and rendering the reports) and total_s, from the task's start to its files.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +35,50 @@ QUESTION_COLUMNS = ["subject", "category", "question_index", "model", "answer", 
 SUBJECT_COLUMNS = ["subject", "category", "model", "questions", "correct", "accuracy", "delta", "delta_low",
                    "delta_high"]
 MMLU_SUMMARY_COLUMNS = ["model", "group", "questions", "accuracy", "delta", "delta_low", "delta_high", "passed"]
+
+
+# The phases of a run, in the order run.json lists them (a task records those it has): reading the inputs (MMLU's
+# data files; compare's references, validated; and their fingerprints for the run folder), tokenising, loading
+# (tokenizer, adapters, the model to the device), CUDA-graph capture and its warm-up, the forward passes (less the
+# capture; diagnose's k2 pass, layer comparison and adapter effects), the metrics, and encoding and writing the files.
+PHASES = ("data", "read", "tokenize", "load", "compile", "forward", "k2", "compare", "effects", "metrics", "write")
+WRITTEN_AFTER_REPORTS = ("write_s", "total_s")  # known only once the reports are rendered: run.json alone has them
+
+
+class Phases:
+    """Where a run's time goes: `with phases("load"): ...` adds the block's seconds to load_s (a phase may come
+    back, e.g. adapters read before the run folder's lock and the model after it); `timings()` gives them in PHASES
+    order and total_s, the seconds since the task began."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + max(seconds, 0.0)
+
+    def captured(self, graph_stats: dict | None) -> None:
+        """The CUDA-graph captures (with their warm-up: Triton compiles) happen inside the forwards: their seconds,
+        as the engine's graph runner counts them (`capture_s` of Engine.graph_stats()), move from forward to
+        compile; 0 without graphs (the CPU, --no-cuda-graphs); left out where the runner does not count them."""
+        if graph_stats is None:
+            self.add("compile", 0.0)
+        elif "capture_s" in graph_stats:
+            seconds = min(float(graph_stats["capture_s"]), self.seconds.get("forward", 0.0))
+            self.seconds["forward"] = self.seconds.get("forward", 0.0) - seconds
+            self.add("compile", seconds)
+
+    def timings(self) -> dict[str, float]:
+        order = [p for p in PHASES if p in self.seconds] + [p for p in self.seconds if p not in PHASES]
+        return {**{f"{p}_s": self.seconds[p] for p in order}, "total_s": time.perf_counter() - self.start}
 
 
 class Verdict:

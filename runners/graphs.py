@@ -11,12 +11,14 @@ changes a real position (causal attention), and a replay equals the eager forwar
 Graphs are captured lazily, the first time a bucket is needed, into one shared memory pool (replays run one at
 a time, and each output is consumed before the next replay). Capture stops, and batches run eagerly, past
 `max_buckets` captured graphs, past `max_memory` bytes of pool, or beyond the largest bucket
-(`max_tokens`). `stats()` reports what was captured, the pool's size and how many batches replayed.
+(`max_tokens`). `stats()` reports what was captured, the pool's size, how many batches replayed and the seconds
+the warm-ups and captures took (a run's compile phase).
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +96,7 @@ class GraphRunner:
         self.pool_bytes = 0
         self.replays = 0
         self.eager = 0
+        self.capture_s = 0.0  # seconds of warm-up (Triton compiles) and capture, device work included
 
     def replay(self, ids: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, int] | None:
         B, L = ids.shape
@@ -114,6 +117,7 @@ class GraphRunner:
         return g.hidden, shape[1]
 
     def _capture(self, rows: int, length: int, lora: bool) -> _Graph:
+        t0 = time.perf_counter()
         ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)  # [rows, length]
         token_slots = torch.full((rows * length,), 0 if lora else -1, dtype=torch.long, device=self.device)
         side = torch.cuda.Stream(self.device)
@@ -138,8 +142,11 @@ class GraphRunner:
                 gc.enable()
         self.pool_bytes += max(torch.cuda.memory_reserved(self.device) - before, 0)
         self.plan.captured[(rows, length, lora)] = self.pool_bytes
+        torch.cuda.synchronize(self.device)  # the warm-up's kernels done: their time is the capture's
+        self.capture_s += time.perf_counter() - t0
         return _Graph(graph, ids, token_slots, hidden)
 
     def stats(self) -> dict:
         return dict(graphs=len(self.graphs), buckets=sorted({k[:2] for k in self.graphs}),
-                    graph_memory_bytes=self.pool_bytes, replays=self.replays, eager_batches=self.eager)
+                    graph_memory_bytes=self.pool_bytes, replays=self.replays, eager_batches=self.eager,
+                    capture_s=round(self.capture_s, 3))

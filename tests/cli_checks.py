@@ -31,3 +31,18 @@ def save_run(result, out):
     with RunFolder(out, command, {"command": command}, overwrite=True) as folder:
         folder.commit({**table_files(result), **report_files(result)}, dict(result.run, command=command,
                                                                              status="complete"))
+
+
+def assert_phases(result, run_dir, phases: list[str]):
+    """run.json's timings are `phases` (in this order, each `name_s`) and total_s: non-negative floats, the phases
+    summing to no more than the total; the terminal's `time:` line gives each of them and the total, as run.json."""
+    import json
+    from pathlib import Path
+
+    timings = json.loads((Path(run_dir) / "run.json").read_text())["timings"]
+    assert list(timings) == [f"{p}_s" for p in phases] + ["total_s"], timings
+    assert all(isinstance(v, float) and v >= 0 for v in timings.values()), timings
+    assert sum(timings[f"{p}_s"] for p in phases) <= timings["total_s"] + 1e-9, timings
+    lines = [line for line in result.stdout.splitlines() if line.startswith("time: ")]
+    assert lines == ["time: " + ", ".join(f"{p} {timings[f'{p}_s']:.2f} s" for p in phases) +
+                     f"; total {timings['total_s']:.2f} s"], result.stdout

@@ -44,7 +44,7 @@ from lora_eval.one_layer import LayerLoader
 from lora_eval.references import read_reference, write_reference
 from lora_eval.results import read_diagnose
 from tests.builders import FAMILIES, random_sequences, save_random_model, save_random_peft_adapter
-from tests.cli_checks import assert_input_error, assert_no_traceback
+from tests.cli_checks import assert_input_error, assert_no_traceback, assert_phases
 from tests.conftest import CPU, MOE_OVERRIDES
 
 VOCAB = 96
@@ -252,6 +252,7 @@ def test_cli_writes_the_run_folder_reuses_it_and_refuses_bad_input(art, tmp_path
     assert_no_traceback(first)
     assert first.exit_code == 0, (first.stdout, first.stderr, first.exception)
     assert "first_divergent_layer" in first.stdout and "diagnose.html" in first.stdout
+    assert_phases(first, out, ["read", "load", "k2", "compare", "effects", "metrics", "write"])
     assert sorted(p.name for p in out.iterdir()) == ["diagnose.html", "diagnose.json", "diagnose.md", "layers.csv",
                                                      "modules.csv", "run.json"]
     assert not out.with_name("run.partial").exists() and not out.with_name("run.lock").exists()

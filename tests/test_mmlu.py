@@ -42,7 +42,7 @@ from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
 from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
 from lora_eval.tokenizer import load_tokenizer
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_model, save_random_peft_adapter
-from tests.cli_checks import assert_input_error, assert_no_traceback
+from tests.cli_checks import assert_input_error, assert_no_traceback, assert_phases
 from tests.conftest import CPU, MOE_OVERRIDES
 from tests.test_distributed import finish, torchrun
 
@@ -448,6 +448,7 @@ def test_rigged_letter_scores_its_share(rigged, tmp_path):
     assert summary["passed"].all()
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["rows"] == len(questions) and run["arguments"]["subjects"] == RIG_SUBJECTS
+    assert_phases(result, tmp_path / "run", ["data", "tokenize", "load", "compile", "forward", "metrics", "write"])
     assert {"model/config.json", "adapter flip/adapter_model.safetensors"} <= set(run["fingerprint"]["files"])
     report = (tmp_path / "run" / "mmlu.md").read_text()
     assert report.startswith("# lora-eval mmlu: PASSED") and "## Subjects with the largest drops" in report

@@ -37,8 +37,8 @@ from lora_eval.formatting import display_table
 from lora_eval.junit import compare_junit, mmlu_junit
 from lora_eval.mmlu_stats import question_table, subject_table, summary_table
 from lora_eval.references import read_reference, write_reference
-from lora_eval.report import render
-from lora_eval.results import COMPARE_SUMMARY_COLUMNS, MmluResult, read_run
+from lora_eval.report import phase_times, render
+from lora_eval.results import COMPARE_SUMMARY_COLUMNS, MmluResult, Phases, read_run
 from tests.cli_checks import assert_input_error, assert_no_traceback, save_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,6 +484,48 @@ def test_worst_tokens_pick_the_largest_masked_diffs(seed):
             ids = input_ids[row.sample_id]
             assert row.token == f"[{ids[row.position + 1]}]" and row.token_id == ids[row.position + 1]
             assert row.context == "".join(f"[{t}]" for t in ids[max(0, row.position - 4):row.position + 1])
+
+
+def test_worst_tokens_break_ties_at_the_cut_as_a_full_sort(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(200, 400))
+    tokens = pd.DataFrame(dict(adapter=rng.choice(["base", "x"], n), sample_id=[f"s{i % 7}" for i in range(n)],
+                               position=np.arange(n), token_id=rng.integers(0, 50, n), ref=-1.0, engine=-1.0,
+                               d=rng.choice([-0.3, -0.2, 0.2, 0.3, 0.1], n), mask=rng.random(n) < 0.8,
+                               sampler=np.nan))  # few distinct |d|: many ties at the 6th place
+    input_ids = {f"s{i}": [int(t) for t in rng.integers(0, 50, n + 1)] for i in range(7)}
+    worst = worst_tokens(tokens, input_ids, tokenizer=None, per_adapter=6, context=3)
+    for adapter, group in tokens[tokens["mask"]].groupby("adapter"):
+        expected = group.assign(a=group["d"].abs()).sort_values(["a", "sample_id", "position"],
+                                                                ascending=[False, True, True]).head(6)
+        got = worst[worst["adapter"] == adapter]
+        assert list(zip(got["sample_id"], got["position"])) == list(zip(expected["sample_id"], expected["position"]))
+
+
+def test_phases_count_each_phase_and_move_graph_captures_to_compile(seed):
+    rng = np.random.default_rng(seed)
+    seconds = dict(zip(["write", "forward", "read", "load", "metrics"], rng.uniform(0.01, 5.0, 5)))
+    again = float(rng.uniform(0.01, 1.0))
+    capture = float(rng.uniform(0, seconds["forward"]))
+    for graphs, compile_s in ((None, 0.0), (dict(graphs=2), None), (dict(capture_s=capture), capture)):
+        phases = Phases()
+        for name, value in seconds.items():
+            phases.add(name, value)
+        phases.add("load", again)  # a phase that comes back adds up
+        with phases("read"):
+            pass
+        phases.captured(graphs)
+        timings = phases.timings()
+        order = ["read", "load"] + ([] if compile_s is None else ["compile"]) + ["forward", "metrics", "write"]
+        assert list(timings) == [f"{p}_s" for p in order] + ["total_s"]
+        assert timings["load_s"] == seconds["load"] + again
+        assert seconds["read"] <= timings["read_s"] < seconds["read"] + 1.0
+        assert timings["forward_s"] == seconds["forward"] - (compile_s or 0.0)
+        assert timings.get("compile_s") == compile_s
+        assert timings["total_s"] >= 0
+        text = phase_times(dict(timings=timings))
+        assert text == ", ".join(f"{p} {timings[p + '_s']:.2f} s" for p in order) + \
+            f"; total {timings['total_s']:.2f} s"
 
 
 # ---- 7. MMLU ---------------------------------------------------------------------------------------------
