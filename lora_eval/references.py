@@ -125,7 +125,7 @@ def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = Non
         if len(ids) < 2:
             raise InputError(path, f"input_ids must hold at least 2 token ids, found {len(ids)}", key=where)
         if vocab_size is not None:
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            bad = _first_outside(ids, vocab_size)
             if bad is not None:
                 raise InputError(path, f"input_ids: token id {bad} is outside the model's vocabulary "
                                  f"[0, {vocab_size})", key=where)
@@ -188,11 +188,26 @@ def _checked(value, column: str, what: str, accepts, path, where, length: int | 
 
 def _finite(value, column: str, length: int, path, where) -> list[float]:
     values = _checked(value, column, "numbers", _is_number, path, where, length)
-    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise InputError(path, f"{column} must hold finite numbers, found {values[bad]} at position {bad}",
+    try:
+        array = np.asarray(values, dtype=np.float64)  # [length]: ints and floats alike (checked above)
+    except OverflowError:  # an integer beyond any float
+        array = np.array([v if abs(v) < 1e308 else math.inf for v in values], dtype=np.float64)
+    nonfinite = np.flatnonzero(~np.isfinite(array))
+    if len(nonfinite):
+        bad = int(nonfinite[0])
+        raise InputError(path, f"{column} must hold finite numbers, found {str(values[bad])[:40]} at position {bad}",
                          key=where)
-    return [float(v) for v in values]
+    return array.tolist()
+
+
+def _first_outside(ids: list[int], vocab_size: int) -> int | None:
+    """The first token id outside [0, vocab_size), or None (vectorised; Python's ints may exceed int64)."""
+    try:
+        array = np.asarray(ids, dtype=np.int64)  # [n]
+    except OverflowError:
+        return next((t for t in ids if not 0 <= t < vocab_size), None)
+    outside = np.flatnonzero((array < 0) | (array >= vocab_size))
+    return ids[int(outside[0])] if len(outside) else None
 
 
 def reference_bytes(frame: pd.DataFrame, where: str | Path, metadata: dict[bytes, bytes] | None = None) -> bytes:

@@ -178,6 +178,15 @@ BAD_REFERENCES = [  # (name, edit of the good JSONL rows, needles of the one err
      ["line 2", "input_ids must hold integer token ids", "(float)"]),
     ("token id outside the vocabulary", lambda rows: edited(rows, "input_ids", lambda r: [VOCAB] + r["input_ids"][1:]),
      ["line 2", f"token id {VOCAB} is outside the model's vocabulary [0, {VOCAB})"]),
+    ("token id beyond int64", lambda rows: edited(rows, "input_ids", lambda r: r["input_ids"][:1] + [2**70]
+                                                  + r["input_ids"][2:]),
+     ["line 2", f"token id {2**70} is outside the model's vocabulary [0, {VOCAB})"]),
+    ("logprob beyond any float", lambda rows: edited(rows, "logprobs", lambda r: r["logprobs"][:2] + [-10**400]
+                                                     + r["logprobs"][3:]),
+     ["line 2", "logprobs must hold finite numbers", "at position 2"]),
+    ("logprobs with infinity", lambda rows: edited(rows, "logprobs", lambda r: r["logprobs"][:1] + [float("-inf")]
+                                                   + r["logprobs"][2:]),
+     ["line 2", "logprobs must hold finite numbers", "-inf at position 1"]),
     ("wrong logprobs length", lambda rows: edited(rows, "logprobs", lambda r: r["logprobs"][1:]),
      ["line 2", "logprobs has", "expected len(input_ids)-1"]),
     ("adapter not a name", lambda rows: edited(rows, "adapter", 7), ["line 2", "adapter must be an adapter name"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from lora_eval import Batch, Engine
@@ -72,3 +73,44 @@ def test_no_graphs_without_cuda(moe_model, seed):
     a = with_graphs.logprobs(Batch(seqs, [None] * 3))
     b = Engine(model, cuda_graphs=False).logprobs(Batch(seqs, [None] * 3))
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_no_garbage_collection_inside_a_capture(monkeypatch):
+    """A capture runs with the garbage collector off, and collects just before: collecting a dropped engine destroys
+    its graphs, and destroying a graph while another is captured invalidated that capture on an H200. The CUDA calls
+    are stood in for (no GPU here); what is checked is the collector's state while the forward is being recorded."""
+    import contextlib
+    import gc
+
+    from lora_eval.runners import graphs
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    stream = type("Stream", (), {"wait_stream": lambda self, other: None})()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    recording = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        recording.append(True)
+        yield
+        recording.pop()
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(len(recording)) or 0)
+    runner = graphs.GraphRunner(lambda ids, slots, lora: seen.append((bool(recording), gc.isenabled())) or
+                                torch.zeros(ids.numel(), 4), torch.device("cpu"))
+    assert gc.isenabled()
+    runner._capture(2, 16, True)
+    assert seen == [(False, True), (True, False)]  # warm-up with collection on, the recorded forward with it off
+    assert collected == [0] and gc.isenabled()  # collected once, before recording; on again after
+    with pytest.raises(RuntimeError):  # a failing capture leaves the collector on too
+        runner.build = lambda *a: (_ for _ in ()).throw(RuntimeError("capture failed"))
+        runner._capture(2, 16, True)
+    assert gc.isenabled()
