@@ -15,7 +15,8 @@ Observing intermediates (`lora-eval diagnose`): `Forward.probe`, None by default
   moe [T, H]            the routed experts' output, before any residual or shared-expert add   (moe)
   residual [T, H]       the residual stream after the layer          (models' layer loops)
 Where a kernel fuses one of these into a sum (o_proj's and the MoE's residual add), the observed part is computed
-once more on its own and the fused result is kept, so a probe never changes what the forward returns. With no probe nothing of this runs: one `is None` test per report site.
+once more on its own and the fused result is kept, so a probe never changes what the forward returns. With no probe
+nothing of this runs: one `is None` test per report site.
 """
 
 from __future__ import annotations

@@ -295,8 +295,8 @@ def assert_bf16_like_cpu(label: str, fp32, gpu, cpu) -> None:
     `cpu` of the same model and rows. The test is the bulk of the tokens: the median |d| within 1.5x the CPU bf16's
     (the kernels' precision). k2 is not: it is carried by the few tokens whose top-k routing flips on last-bit
     differences, 0.1-0.8 nats each, which either side may hit (GLM-4.5, 13 seeds replayed on an H200: the GPU's
-    median 0.76x to 1.16x the CPU's, 0.93x on average, while its k2 ranged 0.02x to 10.7x the CPU's; BENCHMARKS-history.md
-    section 7). A gross error still fails: k2 below max(1e-3, 10x the CPU's)."""
+    median 0.76x to 1.16x the CPU's, 0.93x on average, while its k2 ranged 0.02x to 10.7x the CPU's;
+    BENCHMARKS-history.md section 7). A gross error still fails: k2 below max(1e-3, 10x the CPU's)."""
     d_gpu, d_cpu = (torch.cat([(a - b).float() for a, b in zip(fp32, out)]).abs() for out in (gpu, cpu))
     k2_gpu, k2_cpu = ((d * d / 2).mean().item() for d in (d_gpu, d_cpu))
     median_gpu, median_cpu = d_gpu.median().item(), d_cpu.median().item()
