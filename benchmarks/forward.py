@@ -20,7 +20,7 @@ and that floor at the measured device copy bandwidth, beside the measured call t
 each variant's engine captured while its patches are in force (a CUDA graph keeps the kernels it was captured with),
 then all (variant, batch, case) calls timed in interleaved rounds, each round starting one variant later, so that
 clock drift and a variant's place in the round hit every variant alike. The first variant is the reference; a
-variant is a list of (module, attribute, replacement) patches. Edit VARIANTS to measure a new one.
+variant is a list of (module or class, attribute, replacement) patches. Edit VARIANTS to measure a new one.
 
 Findings: BENCHMARKS-history.md sections 2 and 3.
 """
@@ -47,7 +47,9 @@ import lora_eval.kernels.fused_moe as fused_moe_module
 from lora_eval.adapters import load_adapter
 from lora_eval.bench import make_peft_adapters, measure, parse_batch, random_hf_model, read_model_config
 from lora_eval.engine import Batch, Engine
+from lora_eval.forward import Forward
 from lora_eval.kernels import dense_lora, fused_moe
+from lora_eval.kernels.tiles import MOE_CONFIGS
 from lora_eval.models import load_model_from_tensors
 
 # ------------------------------------------------------------------------------------------------------- profile
@@ -177,7 +179,7 @@ def run_profile(args, dev: torch.device, dtype: torch.dtype):
 
 # ------------------------------------------------------------------------------------------------------ variants
 
-_moe_sum, _pick_config = fused_moe.moe_sum, fused_moe.pick_config
+_moe_sum = fused_moe.moe_sum
 
 
 def _sum_then_add(y, lora=None, residual=None):
@@ -189,7 +191,7 @@ VARIANTS = {  # the changes of the seventh session (BENCHMARKS-history.md sectio
     "kept": [],
     "dense shrink unsplit": [(dense_lora, "shrink_splits", lambda *args: 1)],
     "residual added after the MoE sum": [(fused_moe, "moe_sum", _sum_then_add)],
-    "MoE shrink default tiles": [(fused_moe, "pick_config", lambda *a, **k: replace(_pick_config(*a, **k), shrink={}))],
+    "MoE shrink default tiles": [(Forward, "moe_configs", {n: replace(c, shrink={}) for n, c in MOE_CONFIGS.items()})],
 }
 
 

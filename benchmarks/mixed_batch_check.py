@@ -6,7 +6,8 @@ batches (2-10 rows of 1-40 tokens, each row an adapter of the set or none, in ra
 eagerly and by CUDA-graph replay, per adapter set (which ops' LoRA variants are involved: PEFT all-linear with
 the router, per-expert Tinker layout, heads only): counts the batches with a no-adapter row that differs, and names
 the first (layer, point) where one differs (eager). --switches also runs each MoE launch setting switched off (to
-localise a defect). Exit status 1 when any row differs. Prints one line per case and writes a CSV.
+localise a defect), handing the engine that table through Forward.moe_configs. Exit status 1 when any row differs.
+Prints one line per case and writes a CSV.
 
 The cause it found (BENCHMARKS.md "Mixed-batch check"): the router's LoRA expand ran inside the top-k kernel, whose
 softmax then summed in the dot's layout; rows without an adapter got routing weights a last bit apart.
@@ -29,7 +30,7 @@ import torch
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
 from lora_eval.forward import Forward
-from lora_eval.kernels import fused_moe
+from lora_eval.kernels.tiles import MOE_CONFIGS
 from lora_eval.models import load_model
 from tests.builders import random_sequences, save_random_model
 from tests.conftest import MOE_OVERRIDES
@@ -41,13 +42,13 @@ SWITCHES = ("half_tail", "expand_first", "pair_shrink", "w_tma", "gluon", "sorte
 KNOWN_FAILURES = (843810942, 1714229363)  # session seeds of issue #23
 
 
-def configs_without(original: dict, switch: str | None) -> dict:
-    """The shipped tile table (`original`, a copy taken before any patching) with `switch` (or "all") off."""
+def configs_without(switch: str | None) -> dict | None:
+    """The shipped MoE launch table (MOE_CONFIGS) with `switch` (or "all") off; None (the table itself) for none."""
     if switch is None:
-        return dict(original)
+        return None
     if switch == "all":
-        return {k: dataclasses.replace(c, **{s: False for s in SWITCHES}) for k, c in original.items()}
-    return {k: dataclasses.replace(c, **{switch: False}) for k, c in original.items()}
+        return {k: dataclasses.replace(c, **{s: False for s in SWITCHES}) for k, c in MOE_CONFIGS.items()}
+    return {k: dataclasses.replace(c, **{switch: False}) for k, c in MOE_CONFIGS.items()}
 
 
 def first_difference(engine, plain, seqs, tags) -> str:
@@ -89,7 +90,6 @@ def main():
     parser.add_argument("--out", default="mixed_batch_check.csv")
     parser.add_argument("--device", default="cuda", help="cpu: the torch backend (a check of this script only)")
     args = parser.parse_args()
-    original = dict(fused_moe.CONFIGS)
     seeds = list(KNOWN_FAILURES)[:args.models] + [random.SystemRandom().randrange(2**31)
                                                    for _ in range(args.models - len(KNOWN_FAILURES))]
     cases = [(a, None) for a in ADAPTER_SETS] + ([("all", "all")] + [("all", s) for s in SWITCHES]
@@ -105,9 +105,7 @@ def main():
             for mode in args.modes.split(","):
                 graphs = mode == "graphs"
                 for adapter_set, switch in cases + [("base-vs-base", None)]:
-                    patched = configs_without(original, switch)  # before clear(): it reads the shipped table
-                    fused_moe.CONFIGS.clear()
-                    fused_moe.CONFIGS.update(patched)
+                    Forward.moe_configs = configs_without(switch)  # every forward of both engines (graphs too)
                     names = ADAPTER_SETS.get(adapter_set, ())
                     engine = Engine(model, [load_adapter(adapter_dirs[n], n, model) for n in names],
                                     cuda_graphs=graphs)
@@ -134,8 +132,7 @@ def main():
                     rows.append(row)
                     print(row, flush=True)
                     del engine, plain
-            fused_moe.CONFIGS.clear()
-            fused_moe.CONFIGS.update(original)
+            Forward.moe_configs = None
             del model
     frame = pd.DataFrame(rows)
     frame.to_csv(args.out, index=False)

@@ -21,8 +21,8 @@ import torch
 import triton
 
 from lora_eval.adapters.stack import ExpertLoRA
-from lora_eval.kernels.dense_lora import lora_metadata
 from lora_eval.kernels.fused_moe import fused_moe, fused_moe_ref, pick_config
+from lora_eval.kernels.lora_meta import lora_metadata
 from lora_eval.kernels.moe_align import moe_align
 
 E, K_TOP, H, I, RANK, SLOTS = 128, 8, 2048, 768, 16, 4

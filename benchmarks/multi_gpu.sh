@@ -66,18 +66,20 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
       > "$RES/dp_warm.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]}" --out "$DP/one" > "$RES/dp_one.log" 2>&1
   timeout 300 "${TORCHRUN[@]}" "${ARGS[@]}" --out "$DP/all" > "$RES/dp_all.log" 2>&1
+  for r in one all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
+  { timings "compare 1 GPU" "$DP/one"; timings "compare $GPUS GPUs" "$DP/all"  # written before MMLU starts
+    for f in summary.csv samples.csv tokens.parquet; do
+      cmp -s "$DP/one/$f" "$DP/all/$f" && echo "compare $f byte-identical" || echo "compare $f differs"; done
+    side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
+  cp "$RES/dp_summary.txt" "$OUT/" 2>/dev/null
   M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}")
   CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$RES/dp_mmlu_one.log" 2>&1
   timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$RES/dp_mmlu_all.log" 2>&1
-  for r in one all mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
-  { timings "compare 1 GPU" "$DP/one"; timings "compare $GPUS GPUs" "$DP/all"
-    timings "mmlu 1 GPU" "$DP/mmlu_one"; timings "mmlu $GPUS GPUs" "$DP/mmlu_all"
-    for f in summary.csv samples.csv tokens.parquet; do
-      cmp -s "$DP/one/$f" "$DP/all/$f" && echo "compare $f byte-identical" || echo "compare $f differs"; done
+  for r in mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
+  { timings "mmlu 1 GPU" "$DP/mmlu_one"; timings "mmlu $GPUS GPUs" "$DP/mmlu_all"
     for f in "$DP"/mmlu_one/*.csv; do
       cmp -s "$f" "$DP/mmlu_all/$(basename "$f")" && echo "mmlu $(basename "$f") byte-identical" \
-        || echo "mmlu $(basename "$f") differs"; done
-    side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
+        || echo "mmlu $(basename "$f") differs"; done; } 2>&1 | tee -a "$RES/dp_summary.txt"
   [ -n "${KEEP_DP:-}" ] || rm -rf "$DP"  # KEEP_DP=1: leave the checkpoint for a next step (diagnose_gpu.sh WORK=$WORK/dp)
 fi
 

@@ -1,6 +1,7 @@
 """Launch settings (tiles, warps, stages, operand layouts) of the Triton kernels, one sweep per kernel family, at
 Qwen3-30B-A3B shapes; each sweep prints the current settings' time beside the best. The question it answers: are the
-tiles the kernels ship with (kernels/*.py constants, picked from these sweeps) still the fastest on this GPU?
+tiles the kernels ship with (kernels/tiles.py, picked from these sweeps) still the fastest on this GPU? Each sweep
+passes its settings to the op as arguments; no module constant is changed.
 
     python benchmarks/tiles.py moe --tokens 2048,4096,16384 [--group-m 8] [--out tiles.csv]
     python benchmarks/tiles.py moe --tokens 4096 --lora [--layouts w_tma] [--out tiles.csv]
@@ -23,8 +24,8 @@ stage less, against the same GEMM at the default tiles with and without the LoRA
 with every row in one (the end-to-end bench's lora-1 case). Shrinks: q/k/v's shared one (in 2048, R 48), o_proj
 (in 4096, R 16), router (in 2048, R 16); expands: q (out 4096), k or v (out 512), o (out 2048), router (out 128), R
 16; each against a copy of the same bytes. `head-norm`: q's and k's per-head RMSNorm + RoPE in one kernel
-(kernels/head_norm_rope.py), with and without the LoRA expand inside, by tokens per program (its module constant
-TOKENS_PER_PROGRAM, set and restored), against the separate kernels.
+(kernels/head_norm_rope.py), with and without the LoRA expand inside, by tokens per program (its argument
+tokens_per_program; TOKENS_PER_PROGRAM ships), against the separate kernels.
 
 `shrinks` (was lora_shrinks.py): the LoRA shrinks of the lora-1 case (4 slots, every row in slot 0, rank 16):
 `moe`, the per-block MoE shrinks with PEFT's per-expert factors (kernels/fused_moe.moe_lora_shrink: gate_up, x
@@ -33,8 +34,8 @@ copy bandwidth and a gather copy x[rows] of the same rows; `dense`, the dense sh
 same shrink as extra output columns of the base GEMM (x @ [W; A]^T with one or all slots' A rows appended).
 
 `logprobs` (was logprobs_kernel.py): the fused lm_head + log-softmax + gather (kernels/logprobs.py, H 2048, V
-151936) by its module constants (TMA, NUM_STAGES, BLOCK_V; set and restored), against cuBLAS computing only the
-logits and against the weight's read floor at 3 TB/s.
+151936) by its launch settings (TMA, NUM_STAGES, BLOCK_V over LOGPROBS_TILES, passed as `tiles`), against cuBLAS
+computing only the logits and against the weight's read floor at 3 TB/s.
 
 bf16 unless --dtype; times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph) on a GPU, of a few
 wall-clock calls on the CPU. Findings: BENCHMARKS-history.md, sections 1 (moe, logprobs) and 3 (dense, shrinks).
@@ -56,10 +57,12 @@ import triton
 from lora_eval.kernels import fused_moe as fm
 from lora_eval.kernels import head_norm_rope as hnr
 from lora_eval.kernels import logprobs as lp
-from lora_eval.kernels.dense_lora import BLOCKS, dense_lora_expand, dense_lora_shrink, lora_metadata
+from lora_eval.kernels.dense_lora import dense_lora_expand, dense_lora_shrink
+from lora_eval.kernels.lora_meta import lora_metadata
 from lora_eval.kernels.moe_align import moe_align
 from lora_eval.kernels.rms_norm import rms_norm
 from lora_eval.kernels.rope import rope
+from lora_eval.kernels.tiles import DENSE_LORA_BLOCKS
 from lora_eval.models.layers import rope_cos_sin
 
 
@@ -352,7 +355,6 @@ def head_norms(b: Bench, T, meta, batch=4):
     """q's / k's per-head norm + RoPE (kernels/head_norm_rope.py) by tokens per program, with and without the LoRA
     expand inside, against the separate kernels (expand, rms_norm, rope)."""
     D = b.s.D
-    kept = hnr.TOKENS_PER_PROGRAM
     L = T // batch
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=b.dev) / D))
     cos, sin = rope_cos_sin(inv_freq, torch.arange(L, device=b.dev).expand(batch, L), b.dtype)
@@ -371,14 +373,11 @@ def head_norms(b: Bench, T, meta, batch=4):
         clone = b.ms(lambda: y.clone())
         cells = [f"apart: base {(b.ms(lambda: apart(False)) - clone) * 1e3:.1f} us, "
                  f"LoRA {(b.ms(lambda: apart(True)) - clone) * 1e3:.1f} us"]
-        try:
-            for tokens in (16, 32, 64):
-                hnr.TOKENS_PER_PROGRAM = tokens
-                base = b.ms(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin))
-                lora = b.ms(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin, lora=(shrunk, B, meta.row_slot, None)))
-                cells.append(f"fused at {tokens} tokens: base {base * 1e3:.1f} us, LoRA {lora * 1e3:.1f} us")
-        finally:
-            hnr.TOKENS_PER_PROGRAM = kept
+        for tokens in (16, 32, 64):
+            base = b.ms(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin, tokens_per_program=tokens))
+            lora = b.ms(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin, lora=(shrunk, B, meta.row_slot, None),
+                                                   tokens_per_program=tokens))
+            cells.append(f"fused at {tokens} tokens: base {base * 1e3:.1f} us, LoRA {lora * 1e3:.1f} us")
         print(f"{name} norm + rope ({heads} heads): " + "; ".join(cells), flush=True)
 
 
@@ -397,8 +396,9 @@ def dense_shrinks(b: Bench, T, meta):
         current = b.ms(lambda: dense_lora_shrink(x, A, meta))
         best = min(results, key=results.get)
         copy = b.ms(lambda: x.clone())
-        print(f"{name}: current {BLOCKS['shrink']} {current * 1e3:.1f} us; best BLOCK_M/BLOCK_K/warps/stages {best} "
-              f"{results[best] * 1e3:.1f} us; copy of x {copy * 1e3:.1f} us", flush=True)
+        print(f"{name}: current {DENSE_LORA_BLOCKS['shrink']} {current * 1e3:.1f} us; "
+              f"best BLOCK_M/BLOCK_K/warps/stages {best} {results[best] * 1e3:.1f} us; "
+              f"copy of x {copy * 1e3:.1f} us", flush=True)
 
 
 def dense_expands(b: Bench, T, meta):
@@ -417,8 +417,9 @@ def dense_expands(b: Bench, T, meta):
         current = b.ms(lambda: dense_lora_expand(y, shrunk, B, meta))
         best = min(results, key=results.get)
         copy = b.ms(lambda: y.clone())
-        print(f"{name}: current {BLOCKS['expand']} {current * 1e3:.1f} us; best BLOCK_M/BLOCK_N/warps/stages {best} "
-              f"{results[best] * 1e3:.1f} us; copy of y {copy * 1e3:.1f} us", flush=True)
+        print(f"{name}: current {DENSE_LORA_BLOCKS['expand']} {current * 1e3:.1f} us; "
+              f"best BLOCK_M/BLOCK_N/warps/stages {best} {results[best] * 1e3:.1f} us; "
+              f"copy of y {copy * 1e3:.1f} us", flush=True)
 
 
 # ---------------------------------------------------------------------------------------- shrinks (MoE and dense)
@@ -499,7 +500,7 @@ def shrinks(b: Bench, args):
 
 # ------------------------------------------------------------------------------------------------------ logprobs
 
-LOGPROBS_SETTINGS = {  # name: module constants of kernels/logprobs.py (set for the measurement, then restored)
+LOGPROBS_SETTINGS = {  # name: launch settings of token_logprobs over LOGPROBS_TILES (its `tiles`)
     "pointers": dict(TMA=False),
     "tma": dict(TMA=True),
     "tma, 4 stages": dict(TMA=True, NUM_STAGES=4),
@@ -511,7 +512,6 @@ def logprobs(b: Bench, args):
     H, V = b.s.H, b.s.V
     g = b.generator()
     weight = b.randn(V, H, g=g, scale=0.02)
-    kept = {name: getattr(lp, name) for settings in LOGPROBS_SETTINGS.values() for name in settings}
     floor_ms = weight.numel() * weight.element_size() / 3.0e12 * 1e3
     for N in [int(n) for n in args.rows.split(",")]:
         hidden = b.randn(N, H, g=g)
@@ -521,18 +521,13 @@ def logprobs(b: Bench, args):
                f"floor {floor_ms:.3f}"]
         reference = None
         for name, settings in LOGPROBS_SETTINGS.items():
-            for key, value in settings.items():
-                setattr(lp, key, value)
             try:
-                ms = b.ms(lambda: lp.token_logprobs(hidden, weight, targets), rep=100)
-                out = lp.token_logprobs(hidden, weight, targets)
+                ms = b.ms(lambda: lp.token_logprobs(hidden, weight, targets, tiles=settings), rep=100)
+                out = lp.token_logprobs(hidden, weight, targets, tiles=settings)
                 reference = out if reference is None else reference
                 row.append(f"{name} {ms:.3f} ({cublas / ms:.2f}x cuBLAS, max diff {(out - reference).abs().max():.1e})")
             except Exception as e:  # noqa: BLE001 - a setting that does not fit
                 row.append(f"{name}: {type(e).__name__}")
-            finally:
-                for key, value in kept.items():
-                    setattr(lp, key, value)
         print("\n  ".join(row))
 
 

@@ -2,30 +2,22 @@
 
 Shapes: x [T, in], y [T, out], A [S, R, in], B [S, out, R] (the adapter's scaling already folded into B),
 groups: (slot, row indices) for each slot present in the batch that has weights here.
-The plain-torch references come first; the Triton kernels follow. Their metadata and intermediates
-(BLOCK_R = max(16, next_pow2(R)), R padding masked):
-  token_slots [T] int           adapter slot of each row, -1 = none
-  LoraMeta.sorted_rows [T]      int32 row ids ordered by slot (stable); the -1 rows come first
-  LoraMeta.slot_start [S+1]     int32 slot s owns sorted_rows[slot_start[s] : slot_start[s + 1]]
-  LoraMeta.slot_count [S]       int32 slot_start[s + 1] - slot_start[s]
-  LoraMeta.row_slot [T]         int32 token_slots as given
-  shrunk [splits, T, R] float32 x @ A[s]^T as `splits` partial sums over consecutive ranges of `in` (the
-                                consumers add them in order), written only for the rows of (unmasked) slots;
-                                the consumers also take a [T, R] shrink (one partial)
-  slot_mask [S] (optional)      nonzero: the slot has weights at this site; rows of the others are skipped
+The plain-torch references come first; the Triton kernels follow, on the batch's rows grouped by slot
+(lora_meta.LoraMeta: its metadata and the shrink's partial sums described there; BLOCK_R = max(16, next_pow2(R)),
+R padding masked). The shrink writes only the rows of (unmasked) slots.
 lora_residual_add: h + (y + shrunk @ B[slot]^T) in one pass, for a projection whose output goes straight into the
 residual stream (o_proj): the expand without its own read-add-write of y.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from .linear import linear_ref
+from .lora_meta import LoraMeta, load_shrunk, partials, row_slots
+from .tiles import DENSE_LORA_BLOCKS, DENSE_SHRINK_SMEM, MAX_SPLITS, RESIDUAL_BLOCKS, SPLIT_MIN_K
 
 
 def dense_lora_ref(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -65,55 +57,6 @@ def embedding_lora_ref(h: torch.Tensor, ids: torch.Tensor, A: torch.Tensor, B: t
 # tile lies beyond its slot's segment returns at once, and rows with slot -1 belong to no segment. Nothing
 # in the launch path reads a device value on the host, so the launches can be captured in a CUDA graph.
 # ---------------------------------------------------------------------------------------------------------
-
-# H100, T = 4096, S = 4 with every row in one slot, bf16 (benchmarks/tiles.py dense): the shrink at 64 rows
-# per program takes 9.5 / 12.7 / 6.6 us for q/k/v together (in 2048, R 48) / o (in 4096) / router (in 2048)
-# against 15.1 / 14.0 / 8.2 at 32 rows; the expand is as fast as any tile tried (q 20.7 us, about a plain copy of
-# y). The shrink halves BLOCK_K until its pipelined x and A tiles fit SHRINK_SMEM (large R, float32).
-BLOCKS = {
-    "shrink": dict(BLOCK_M=64, BLOCK_K=256, num_warps=4, num_stages=4),  # grid (cdiv(T, BLOCK_M), S)
-    "expand": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=1),  # grid (cdiv(T, BM), cdiv(out, BN), S)
-}
-SHRINK_SMEM = 160 * 1024  # bytes: num_stages * (BLOCK_M + BLOCK_R) * BLOCK_K * element size
-# Split `in` while the programs of one slot's rows x splits fit the SMs once and each split keeps SPLIT_MIN_K
-# features: H100, 128 tokens, S = 4 with every row in one slot, bf16 (benchmarks/tiles.py shrinks): q/k/v 9.3 /
-# o 10.3 / router 6.4 us unsplit (two programs each, latency of one SM streaming x and A).
-SPLIT_MIN_K, MAX_SPLITS = 128, 16
-
-@dataclass
-class LoraMeta:
-    sorted_rows: torch.Tensor
-    slot_start: torch.Tensor
-    slot_count: torch.Tensor
-    row_slot: torch.Tensor
-    num_slots: int
-
-    @property
-    def num_rows(self) -> int:
-        return self.sorted_rows.numel()
-
-
-def lora_metadata(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
-    """Rows grouped by adapter slot, on the device of `token_slots`, without a host sync (see the shapes above)."""
-    slots = token_slots.long()  # [T]
-    sorted_slots, order = torch.sort(slots, stable=True)  # [T], [T]
-    bounds = torch.arange(num_slots + 1, device=slots.device)  # [S+1]
-    slot_start = torch.searchsorted(sorted_slots, bounds)  # [S+1] first sorted position with slot >= s
-    return LoraMeta(sorted_rows=order.to(torch.int32), slot_start=slot_start.to(torch.int32),
-                    slot_count=(slot_start[1:] - slot_start[:-1]).to(torch.int32),
-                    row_slot=slots.to(torch.int32), num_slots=num_slots)
-
-
-@triton.jit
-def load_shrunk(s_ptr, rows, offs_r, mask, stride_split, stride_sm, stride_sr, SPLITS: tl.constexpr):
-    """[rows, BLOCK_R] float32: the shrink of `rows`, its SPLITS partial sums (dense_lora_shrink) added in order;
-    masked elements 0."""
-    ptrs = s_ptr + rows[:, None].to(tl.int64) * stride_sm + offs_r[None, :] * stride_sr
-    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for k in tl.static_range(1, SPLITS):
-        acc += tl.load(ptrs + k * stride_split, mask=mask, other=0.0).to(tl.float32)
-    return acc
-
 
 @triton.jit
 def _shrink_kernel(
@@ -201,15 +144,6 @@ def _mask_args(slot_mask: torch.Tensor | None, meta: LoraMeta):
     return (meta.slot_start, False) if slot_mask is None else (slot_mask, True)
 
 
-def partials(shrunk: torch.Tensor, T: int, R: int, who: str) -> torch.Tensor:
-    """A consumer's view of a shrink: [splits, T, R] as given, or a [T, R] shrink as one partial."""
-    parts = shrunk[None] if shrunk.dim() == 2 else shrunk
-    if parts.dim() != 3 or parts.shape[1:] != (T, R):
-        raise ValueError(f"{who}: shrunk {tuple(shrunk.shape)}, expected [T, R] or [splits, T, R] with T = {T}, "
-                         f"R = {R}")
-    return parts
-
-
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -233,13 +167,13 @@ def dense_lora_shrink(x: torch.Tensor, A: torch.Tensor, meta: LoraMeta, out: tor
     T, K = x.shape
     S, R, _ = A.shape
     assert A.shape[2] == K and x.dtype == A.dtype and meta.num_rows == T and meta.num_slots == S
-    config = {**BLOCKS["shrink"], **(blocks or {})}
+    config = {**DENSE_LORA_BLOCKS["shrink"], **(blocks or {})}
     if out is not None:
         splits = out.shape[0]
     splits = splits or shrink_splits(T, K, config["BLOCK_M"], x.device)
     BLOCK_R = _block_r(R)
     tile_bytes = (config["BLOCK_M"] + BLOCK_R) * x.element_size() * config["num_stages"]
-    while config["BLOCK_K"] > 16 and config["BLOCK_K"] * tile_bytes > SHRINK_SMEM:
+    while config["BLOCK_K"] > 16 and config["BLOCK_K"] * tile_bytes > DENSE_SHRINK_SMEM:
         config["BLOCK_K"] //= 2
     while config["BLOCK_K"] > 16 and config["BLOCK_K"] >= 2 * _cdiv(K, splits):
         config["BLOCK_K"] //= 2  # no step wider than a split needs
@@ -269,7 +203,7 @@ def dense_lora_expand(y: torch.Tensor, shrunk: torch.Tensor, B: torch.Tensor, me
     parts = partials(shrunk, T, R, "dense_lora_expand")
     if T == 0:
         return y
-    config = {**BLOCKS["expand"], **(blocks or {})}
+    config = {**DENSE_LORA_BLOCKS["expand"], **(blocks or {})}
     mask, has_mask = _mask_args(slot_mask, meta)
     grid = (_cdiv(T, config["BLOCK_M"]), _cdiv(N, config["BLOCK_N"]), S)
     _expand_kernel[grid](
@@ -295,21 +229,6 @@ def lora_residual_add_ref(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor
     for slot, rows in groups:
         y.index_add_(0, rows, linear_ref(shrunk[rows].to(B.dtype), B[slot]))  # [n, out]
     return h + y
-
-
-@triton.jit
-def row_slots(row_slot_ptr, slot_mask_ptr, rows, row_mask, S, HAS_SLOT_MASK: tl.constexpr):
-    """For kernels that tile rows in their own order (not grouped by slot): each row's slot, -1 for none or for a
-    slot masked off at this site, and the smallest / largest slot among them (lo > hi: no row has one)."""
-    slot = tl.load(row_slot_ptr + rows, mask=row_mask, other=-1)
-    if HAS_SLOT_MASK:
-        weighted = tl.load(slot_mask_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
-        slot = tl.where(weighted != 0, slot, -1)
-    return slot, tl.min(tl.where(slot >= 0, slot, S), axis=0), tl.max(slot, axis=0)
-
-
-# rows x columns per program of lora_residual_add, grid (cdiv(T, BLOCK_M), cdiv(out, BLOCK_N))
-RESIDUAL_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 
 
 @triton.jit
@@ -341,11 +260,11 @@ def _residual_add_kernel(h_ptr, y_ptr, s_ptr, b_ptr, out_ptr, row_slot_ptr, slot
 
 
 def lora_residual_add(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,
-                      slot_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      slot_mask: torch.Tensor | None = None, blocks: dict | None = None) -> torch.Tensor:
     """The Triton counterpart of `lora_residual_add_ref`, one pass over y and h (an in-place expand then the add
     would read and write y once more): h [T, out], y [T, out] (last dims contiguous), shrunk [splits, T, R] or
     [T, R] (any strides), B [S, out, R] -> [T, out] in the dtype of h + y. Rows of no (or a masked) slot: h + y,
-    bit for bit torch's sum."""
+    bit for bit torch's sum. `blocks`: launch settings over RESIDUAL_BLOCKS."""
     T, N = y.shape
     S, _, R = B.shape
     if h.shape != y.shape or h.stride(-1) != 1 or y.stride(-1) != 1 or B.shape[1] != N:
@@ -354,7 +273,7 @@ def lora_residual_add(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor, B:
     out = torch.empty(T, N, dtype=torch.promote_types(h.dtype, y.dtype), device=y.device)
     if T == 0:
         return out
-    config = RESIDUAL_BLOCKS
+    config = {**RESIDUAL_BLOCKS, **(blocks or {})}
     mask, has_mask = (slot_mask, True) if slot_mask is not None else (meta.row_slot, False)
     _residual_add_kernel[(_cdiv(T, config["BLOCK_M"]), _cdiv(N, config["BLOCK_N"]))](
         h, y, parts, B, out, meta.row_slot, mask, T, N, R, S, h.stride(0), y.stride(0), parts.stride(0),

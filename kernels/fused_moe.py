@@ -13,12 +13,14 @@ where an expert dim of 1 is shared by all experts (broadcast), scaling folded in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from .linear import ROWS, linear_ref
+from .tiles import (ALL_SLOTS_MAX, GEMM_SMEM, MOE_CONFIGS, MOE_SHRINK_SMEM, MOE_SHRINK_TILES, SUM_BLOCKS,
+                    SUM_LORA_BLOCKS, MoeConfig)
 
 
 ACTIVATIONS = ("silu", "clamped_swiglu")
@@ -96,87 +98,25 @@ import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from . import moe_gemm_gluon  # noqa: E402
-from .dense_lora import dense_lora_shrink, lora_metadata, row_slots  # noqa: E402
+from .dense_lora import dense_lora_shrink  # noqa: E402
+from .lora_meta import lora_metadata, row_slots  # noqa: E402
 from .moe_align import moe_align  # noqa: E402
 from .tma import tma_ready  # noqa: E402
 
-@dataclass(frozen=True)
-class MoeConfig:
-    """Launch settings of one fused MoE call. `block_m` is shared (one alignment serves both GEMMs); `gate_up`
-    and `down` hold each GEMM's BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. `w_tma`: the expert weights
-    load through TMA tensor descriptors; `sorted_act`: the gate_up GEMM writes the activation in block order
-    and the down GEMM reads it by block row (through a descriptor too when `w_tma`). Both fall back to
-    pointer loads where TMA is not available (before Hopper, or a tensor TMA cannot describe). `expand_first`: the
-    GEMMs add the LoRA delta into their accumulators before the main loop instead of after it. `half_tail`: a
-    block with pairs in its first half only (an expert group's last block) computes half the rows. `pair_shrink`:
-    with a down B shared by all experts, the down GEMM's N tile 0 computes the down LoRA shrink from the activation
-    tiles it loads anyway (else a separate shrink kernel reads the activation again). `shrink`: by GEMM ("gate_up",
-    "down"), the per-block LoRA shrink's launch settings over SHRINK_TILES (its BLOCK_K the longest step tried).
-    `gluon`: the GEMMs run as persistent Gluon kernels (kernels/moe_gemm_gluon.py) where they can (a Hopper GPU, the
-    block-ordered activation, no bias; gate_up: SiLU gate, its LoRA expand up to rank 32 (gate and up together);
-    down: its LoRA expand up to rank 32, or the pair shrink with slots x rank up to 64), else moe_gemm."""
-    block_m: int
-    gate_up: dict
-    down: dict
-    w_tma: bool = False
-    sorted_act: bool = False
-    expand_first: bool = False
-    half_tail: bool = False
-    pair_shrink: bool = False
-    shrink: dict = field(default_factory=dict)
-    gluon: bool = False
 
-    def tiles(self, gemm: str) -> dict:
-        return dict(BLOCK_M=self.block_m, **getattr(self, gemm))
-
-    def shrink_tiles(self, gemm: str) -> dict:
-        return {**SHRINK_TILES, **self.shrink.get(gemm, {})}
-
-
-def _tiles(n, k, warps, stages, group_m=8):
-    return dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=group_m, num_warps=warps, num_stages=stages)
-
-
-# By pairs per expert (T * k / E): the fastest per GEMM of the tile x layout sweep on an H100 at Qwen3-30B-A3B
-# shapes (benchmarks/tiles.py moe; BENCHMARKS-history 1). TMA weights paid from 1024 tokens on (down) and
-# 2048 (gate_up); the block-ordered activation from 8192 on, with the GEMMs as persistent Gluon kernels there
-# (gate_up 809 against 843 us, down 407 against 445 at 8192 tokens, retired gluon_moe_gemm.py; the layer with
-# LoRA 1.427 / 1.467 ms against 1.477 / 1.540 in Triton, 4 adapters shared-outer / 1 per-expert). The Gluon GEMMs at
-# 4096 tokens: base 3% faster, LoRA 1-2% (overhead 1.104 against 1.080), not taken; at 2048 slower. A/B in one
-# process (the retired benchmarks/moe_variants.py):
-# the LoRA expand before the main loop paid from 64-row blocks on (LoRA overhead 1.100 / 1.091 against
-# 1.148 / 1.125 at 1024 tokens, 4 adapters mixed / one; 1.108 / 1.115 against 1.134 / 1.136 at 4096), not at
-# 16-row blocks (within +-0.01 either way); half-height tail blocks paid at 128-row blocks (base 1.2-4% faster
-# from 2048 tokens on), not at 64-row ones; the down shrink inside the down GEMM (pair_shrink, shared down B) paid
-# at 128-row blocks (1.083 against 1.110 at 4096 tokens, 4 adapters mixed), not at 16 / 64 (1.116 / 1.128 against
-# 1.101 / 1.094 at 256 / 1024).
-# The per-block shrinks at 128-row blocks, PEFT's per-expert factors, 4096 tokens (benchmarks/tiles.py shrinks):
-# gate_up (K 2048, R 32) 32.8 us at 4 stages against 34.4 at 3; down (K 768, R 16) 23.1 us with 64-wide K steps
-# against 26.2 with 128. At 16-row blocks (128 tokens) the defaults were the fastest.
-_SHRINK_128 = {"gate_up": dict(num_stages=4), "down": dict(BLOCK_K=64)}
-CONFIGS = {
-    16: MoeConfig(16, gate_up=_tiles(128, 128, 8, 4), down=_tiles(128, 128, 8, 4)),
-    64: MoeConfig(64, gate_up=_tiles(64, 64, 4, 3), down=_tiles(128, 64, 4, 4), w_tma=True, expand_first=True),
-    256: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, expand_first=True,
-                   half_tail=True, pair_shrink=True, shrink=_SHRINK_128),
-    None: MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True, sorted_act=True,
-                    expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128, gluon=True),
-}
-
-
-def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> MoeConfig:
+def pick_config(num_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype = torch.bfloat16,
+                table: dict | None = None) -> MoeConfig:
+    """The MoeConfig of `table` (MOE_CONFIGS by default: {most pairs per expert, or None for more: MoeConfig}) for
+    this many pairs per expert."""
+    table = MOE_CONFIGS if table is None else table
     pairs_per_expert = num_tokens * top_k / num_experts
-    limit = next((n for n in CONFIGS if n is not None and pairs_per_expert <= n), None)
-    config = CONFIGS[limit]
+    limit = next((n for n in table if n is not None and pairs_per_expert <= n), None)
+    config = table[limit]
     if dtype == torch.float32:  # 4-byte tiles: halve the K step and the pipeline depth to fit shared memory
         fp32 = {gemm: {**getattr(config, gemm), "BLOCK_K": min(getattr(config, gemm)["BLOCK_K"], 32), "num_stages": 2}
                 for gemm in ("gate_up", "down")}
         config = replace(config, **fp32)
     return config
-
-
-SHRINK_SMEM = 160 * 1024  # bytes for the LoRA shrink's pipelined tiles: stages x (BLOCK_M + BLOCK_R) x BLOCK_K
-GEMM_SMEM = 227 * 1024  # shared memory one block of the grouped GEMM may use (H100 / H200)
 
 
 def _gemm_smem(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size: int, stages: int) -> int:
@@ -218,24 +158,12 @@ def gemm_stages(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size
     return stages
 
 
-SHRINK_TILES = dict(BLOCK_K=256, num_warps=4, num_stages=3)  # the per-block shrink's defaults (MoeConfig.shrink)
-
-
-# The per-block LoRA shrink computes a block's adapter slots side by side in one pass over K (BLOCK_S * BLOCK_R
-# columns, each row keeping its own slot's) while that is at most ALL_SLOTS_MAX wide, else one pass per slot; a
-# block of one slot (most blocks at large M) always takes the one narrow pass.
-# H100, Qwen3-30B-A3B shapes, 4 adapters (the retired benchmarks/moe_variants.py): LoRA overhead 1.071-1.117 against
-# 1.085-1.126 one pass per slot. The same side-by-side trick for the expand measured slower at every M
-# (1.076-1.405 against 1.071-1.117): blocks of large M hold one or two slots, and the wide dot costs more there.
-ALL_SLOTS_MAX = 128
-
-
 def shrink_block_k(block_m: int, block_r: int, dtype: torch.dtype, stages: int, longest: int) -> int:
     """The LoRA shrink kernel's step over the input features: the longest up to `longest` whose `stages`
-    pipelined tiles fit SHRINK_SMEM."""
+    pipelined tiles fit MOE_SHRINK_SMEM."""
     size = 4 if dtype == torch.float32 else 2
     return next((bk for bk in (256, 128, 64, 32) if bk <= longest and stages * (block_m + block_r) * bk * size
-                 <= SHRINK_SMEM), 16)
+                 <= MOE_SHRINK_SMEM), 16)
 
 
 @triton.jit
@@ -578,10 +506,6 @@ def moe_gemm_kernel(
                       BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
 
 
-SUM_BLOCK_H = 1024  # columns per program of the sum over k (one token per program)
-SUM_LORA_BLOCKS = dict(BLOCK_T=16, BLOCK_H=256, num_warps=4)  # tokens x columns per program with a LoRA expand
-
-
 @triton.jit
 def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, res_ptr, T, H, R, S,
                    stride_yt, stride_yj, stride_ot, stride_st, stride_sj, stride_wt, stride_wj, stride_bs, stride_bh,
@@ -627,25 +551,28 @@ def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, res_ptr, T
     tl.store(out_ptr + rows64 * stride_ot + cols[None, :], out, mask=mask)
 
 
-def moe_sum(y: torch.Tensor, lora=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+def moe_sum(y: torch.Tensor, lora=None, residual: torch.Tensor | None = None, *,
+            blocks: dict | None = None) -> torch.Tensor:
     """[T, k, H] -> [T, H] in y's dtype, summed over k in fp32 (the j order fixed: deterministic). `lora`:
     (shrunk [T, k, R], topk_weights [T, k], token_slots [T], B [S, H, R]): adds each token's down expand of a B
     shared by all experts, sum_j w_j shrunk[t, j] @ B[slot]^T (token slot -1: nothing). `residual` [T, H] (y's
-    dtype, last dim contiguous): returns residual + that sum, bit for bit torch's add of the two."""
+    dtype, last dim contiguous): returns residual + that sum, bit for bit torch's add of the two. `blocks`: launch
+    settings over SUM_BLOCKS (one token per program) without `lora`, over SUM_LORA_BLOCKS with it."""
     T, k, H = y.shape
     if residual is not None and (residual.shape != (T, H) or residual.dtype != y.dtype or residual.stride(-1) != 1):
         raise ValueError(f"moe_sum: residual {tuple(residual.shape)} {residual.dtype} for a sum {(T, H)} {y.dtype}")
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
     res = (residual, residual.stride(0)) if residual is not None else (y, 0)
     if lora is None:
-        moe_sum_kernel[(T, triton.cdiv(H, SUM_BLOCK_H))](
+        blocks = {**SUM_BLOCKS, **(blocks or {})}
+        moe_sum_kernel[(T, triton.cdiv(H, blocks["BLOCK_H"]))](
             y, out, y, y, y, y, res[0], T, H, 0, 0, y.stride(0), y.stride(1), out.stride(0), 0, 0, 0, 0, 0, 0, 0,
-            res[1], TOP_K=k, HAS_LORA=False, HAS_RESIDUAL=residual is not None, BLOCK_T=1, BLOCK_H=SUM_BLOCK_H,
-            BLOCK_R=16, DOT_PRECISION="ieee", num_warps=4)
+            res[1], TOP_K=k, HAS_LORA=False, HAS_RESIDUAL=residual is not None, BLOCK_T=1, BLOCK_R=16,
+            DOT_PRECISION="ieee", **blocks)
         return out
     shrunk, weights, slots, B = lora
     S, R = B.shape[0], B.shape[2]
-    blocks = dict(SUM_LORA_BLOCKS)
+    blocks = {**SUM_LORA_BLOCKS, **(blocks or {})}
     grid = (triton.cdiv(T, blocks["BLOCK_T"]), triton.cdiv(H, blocks["BLOCK_H"]))
     moe_sum_kernel[grid](
         y, out, shrunk, weights, B, slots, res[0], T, H, R, S, y.stride(0), y.stride(1), out.stride(0),
@@ -662,19 +589,20 @@ def _expert_stride(t: torch.Tensor) -> int:
 
 
 def moe_lora_shrink(a, lora_A, align, *, rows_are_tokens, top_k, a_sorted=False, by_pair=False,
-                    tiles=None) -> torch.Tensor:
+                    tiles=None, all_slots_max=ALL_SLOTS_MAX) -> torch.Tensor:
     """The per-block LoRA shrink a[rows] @ lora_A[slot, e]^T of every aligned block with adapter rows, in a's
     dtype (the expand rounds it to that anyway: same numbers, half the bytes): [blocks * BLOCK_M, R] by block
     row, or with `by_pair` [P, R] by pair id. Rows of blocks without an adapter are left unwritten. `tiles`:
-    launch settings over SHRINK_TILES (MoeConfig.shrink_tiles)."""
-    tiles = {**SHRINK_TILES, **(tiles or {})}
+    launch settings over MOE_SHRINK_TILES (MoeConfig.shrink_tiles); `all_slots_max`: the widest pass over a block's
+    slots side by side (MoeConfig.all_slots_max)."""
+    tiles = {**MOE_SHRINK_TILES, **(tiles or {})}
     R = lora_A.shape[2]
     BLOCK_R = max(16, triton.next_power_of_2(R))
     BM = align.block_m
     rows = align.num_pairs if by_pair else align.num_blocks * BM
     shrunk = torch.empty(rows, R, dtype=a.dtype, device=a.device)
     BLOCK_S = triton.next_power_of_2(lora_A.shape[0])  # adapter slots, padded
-    all_slots = BLOCK_S * BLOCK_R <= ALL_SLOTS_MAX
+    all_slots = BLOCK_S * BLOCK_R <= all_slots_max
     moe_lora_shrink_kernel[(align.num_blocks,)](
         a, lora_A, shrunk, align.sorted_pairs, align.block_expert, align.num_padded, align.token_slots,
         align.block_slot_lo, align.block_slot_hi, a.shape[1], align.num_pairs, R, top_k,
@@ -758,7 +686,7 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
               lora_meta=None, *, gate_up_bias=None, down_bias=None, activation="silu", alpha=1.702, limit=7.0,
               residual=None):
     """Triton fused MoE (+ LoRA): same math and arguments as fused_moe_ref; [T, H] in x's dtype. `config`: a
-    MoeConfig (pick_config's by default). `lora_meta`: the batch's rows grouped by slot (dense_lora.lora_metadata
+    MoeConfig (pick_config's by default). `lora_meta`: the batch's rows grouped by slot (lora_meta.lora_metadata
     of token_slots), computed here when not given. `residual` [T, H]: returns residual + the layer's output,
     added inside the sum over k (moe_sum)."""
     # the kernels read these by flat index: a strided view (a column of a wider tensor, as expert parallel's received
@@ -781,7 +709,8 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
             gate_up_lora = dict(shrunk=shrunk, shrunk_by_token=True)
         else:
             gate_up_lora = dict(shrunk=moe_lora_shrink(x, lora.gate_up_A, align, rows_are_tokens=True, top_k=k,
-                                                       tiles=config.shrink_tiles("gate_up")))
+                                                       tiles=config.shrink_tiles("gate_up"),
+                                                       all_slots_max=config.all_slots_max))
         gate_up_lora["lora_B"] = lora.gate_up_B
     if (config.gluon and config.sorted_act and gate_up_bias is None and activation == "silu"
             and moe_gemm_gluon.usable(x, w_gate_up, BM, gated=True)
@@ -799,17 +728,18 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slo
         R_down = lora.down_A.shape[2]
         if lora.down_B.shape[1] == 1:  # down B shared by all experts: its expand goes into the sum over k
             side_by_side = triton.next_power_of_2(num_slots) * max(16, triton.next_power_of_2(R_down))
-            if config.pair_shrink and side_by_side <= ALL_SLOTS_MAX:
+            if config.pair_shrink and side_by_side <= config.all_slots_max:
                 shrunk = torch.empty(T * k, R_down, dtype=x.dtype, device=x.device)  # [P, R]: by the down GEMM
                 down_lora = dict(pair_shrink=(lora.down_A, shrunk))
             else:
                 shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
-                                         a_sorted=config.sorted_act, by_pair=True,
-                                         tiles=config.shrink_tiles("down"))  # [P, R]
+                                         a_sorted=config.sorted_act, by_pair=True, tiles=config.shrink_tiles("down"),
+                                         all_slots_max=config.all_slots_max)  # [P, R]
             sum_lora = (shrunk.view(T, k, R_down), topk_weights, token_slots, lora.down_B[:, 0])
         else:
             shrunk = moe_lora_shrink(act, lora.down_A, align, rows_are_tokens=False, top_k=k,
-                                     a_sorted=config.sorted_act, tiles=config.shrink_tiles("down"))  # [blocks * BM, R]
+                                     a_sorted=config.sorted_act, tiles=config.shrink_tiles("down"),
+                                     all_slots_max=config.all_slots_max)  # [blocks * BM, R]
             down_lora = dict(lora_B=lora.down_B, shrunk=shrunk)
     pair_shrink = down_lora.get("pair_shrink")
     expand = (down_lora["shrunk"], down_lora["lora_B"]) if "lora_B" in down_lora else None

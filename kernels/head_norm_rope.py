@@ -20,13 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .dense_lora import load_shrunk, partials, row_slots
+from .lora_meta import load_shrunk, partials, row_slots
 from .rms_norm import rms_norm_ref
 from .rope import attention_layout, rope_ref
-
-# grid (cdiv(T, TOKENS_PER_PROGRAM), heads); tl.dot of the LoRA delta needs 16 at least. H100, 4 x 1024 tokens, q of
-# Qwen3-30B-A3B (benchmarks/tiles.py dense --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
-TOKENS_PER_PROGRAM = 32
+from .tiles import TOKENS_PER_PROGRAM
 
 
 def head_norm_rope_ref(y, weight, eps, cos, sin, lora=None) -> torch.Tensor:
@@ -99,10 +96,10 @@ def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr,
 
 
 def head_norm_rope(y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   lora=None) -> torch.Tensor:
+                   lora=None, *, tokens_per_program: int = TOKENS_PER_PROGRAM) -> torch.Tensor:
     """The Triton counterpart of head_norm_rope_ref: y [T, heads * D] -> [B, heads, L, D]. `lora` = (shrunk [T, R]
     or its partial sums [splits, T, R] (dense_lora_shrink), B [S, heads * D, R], row_slot [T] int32, slot_mask [S]
-    or None) or None."""
+    or None) or None. `tokens_per_program`: the grid's tokens per program (TOKENS_PER_PROGRAM; 16 at least)."""
     T, N = y.shape
     B_, L, D = cos.shape
     if (y.stride(-1) != 1 or N % D or D % 2 or weight.shape != (D,) or T != B_ * L or cos.stride(-1) != 1
@@ -124,10 +121,10 @@ def head_norm_rope(y: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     else:
         lora_args, lora_strides, R, splits = (y, y, y, y, 0, 0), (0,) * 6, 0, 1
     s_ptr, b_ptr, row_slot_ptr, mask_ptr, R, S = lora_args
-    head_norm_rope_kernel[(triton.cdiv(T, TOKENS_PER_PROGRAM), heads)](
+    head_norm_rope_kernel[(triton.cdiv(T, tokens_per_program), heads)](
         y, weight, cos, sin, out, s_ptr, b_ptr, row_slot_ptr, mask_ptr, T, L, heads, R, S, eps, y.stride(0),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *lora_strides,
         HALF=D // 2, HAS_LORA=lora is not None, HAS_SLOT_MASK=lora is not None and lora[3] is not None, SPLITS=splits,
-        BLOCK_T=TOKENS_PER_PROGRAM, BLOCK_HALF=triton.next_power_of_2(D // 2),
+        BLOCK_T=tokens_per_program, BLOCK_HALF=triton.next_power_of_2(D // 2),
         BLOCK_R=max(16, triton.next_power_of_2(R)), num_warps=4)
     return out

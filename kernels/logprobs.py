@@ -29,21 +29,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .tiles import LOGPROBS_TILES
 from .tma import tma_ready
 
-# Block sizes and launch parameters (the only tuning knobs).
-BLOCK_N = 128  # rows of hidden per program
-BLOCK_V = 256  # vocab entries per logits tile
-BLOCK_H = 64  # reduction step over the hidden dim
-NUM_WARPS = 8
-NUM_STAGES = 3  # software pipelining depth for 2-byte inputs
-NUM_STAGES_FP32 = 2  # fp32 tiles take twice the shared memory
 FP32_DOT = "tf32x3"  # fp32 inputs: 3 TF32 tensor-core products, about fp32 accuracy ("ieee" is ~10x slower)
-COMBINE_BLOCK = 256  # rows per program of the combine kernel
-# Load through TMA descriptors where hidden and weight allow it: H100, Qwen3-30B-A3B's lm_head, bf16
-# (benchmarks/tiles.py logprobs): 4.21 against 4.63 ms at 4096 rows, 8.68 against 9.72 at 8192, 1.13 against 1.22
-# at 1024 (0.86-0.90x cuBLAS computing the logits alone), 0.282 against 0.275 at 128.
-TMA = True
 
 
 @triton.jit
@@ -130,15 +119,16 @@ def _num_sms(device: torch.device) -> int:
     return 1  # interpreter: programs run one after another, fewer is faster
 
 
-def split_vocab(n: int, v: int, device: torch.device, v_splits: int | None = None) -> tuple[int, int]:
+def split_vocab(n: int, v: int, device: torch.device, v_splits: int | None = None, *,
+                block_n: int = LOGPROBS_TILES["BLOCK_N"], block_v: int = LOGPROBS_TILES["BLOCK_V"]) -> tuple[int, int]:
     """(V_SPLITS, TILES). TILES, a power of two (bounding recompiles), minimises waves * (TILES + 1): whole
     waves of one program per SM, each program paying its tiles plus about one tile of fixed cost.
     `v_splits` forces the split count instead."""
-    tiles = triton.cdiv(v, BLOCK_V)
+    tiles = triton.cdiv(v, block_v)
     if v_splits is not None:
         per_split = triton.cdiv(tiles, min(v_splits, tiles))
         return triton.cdiv(tiles, per_split), per_split
-    sms, row_blocks = _num_sms(device), triton.cdiv(n, BLOCK_N)
+    sms, row_blocks = _num_sms(device), triton.cdiv(n, block_n)
     best = None
     for per_split in (1 << k for k in range(tiles.bit_length())):
         splits = triton.cdiv(tiles, per_split)
@@ -150,11 +140,13 @@ def split_vocab(n: int, v: int, device: torch.device, v_splits: int | None = Non
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                   v_splits: int | None = None) -> torch.Tensor:
+                   v_splits: int | None = None, tiles: dict | None = None) -> torch.Tensor:
     """float32 [N] log_softmax(hidden @ weight.T + bias)[targets], fp32 logits, no [N, V] tensor.
 
-    `out` (float32 [N]) is written in place if given; `v_splits` overrides the host-side choice.
+    `out` (float32 [N]) is written in place if given; `v_splits` overrides the host-side choice; `tiles`: launch
+    settings over LOGPROBS_TILES (kernels/tiles.py).
     """
+    t = {**LOGPROBS_TILES, **(tiles or {})}
     N, H = hidden.shape
     V = weight.shape[0]
     assert weight.shape == (V, H), f"weight {tuple(weight.shape)} does not match hidden {tuple(hidden.shape)}"
@@ -170,24 +162,24 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if N == 0:
         return out
 
-    splits, tiles = split_vocab(N, V, hidden.device, v_splits)
+    splits, v_tiles = split_vocab(N, V, hidden.device, v_splits, block_n=t["BLOCK_N"], block_v=t["BLOCK_V"])
     scratch = torch.empty(3, splits, N, dtype=torch.float32, device=hidden.device)  # m, l, t
-    stages = NUM_STAGES_FP32 if hidden.dtype == torch.float32 else NUM_STAGES
-    tma = TMA and tma_ready(hidden) and tma_ready(weight)
-    h_arg = TensorDescriptor.from_tensor(hidden, [BLOCK_N, BLOCK_H]) if tma else hidden
-    w_arg = TensorDescriptor.from_tensor(weight, [BLOCK_V, BLOCK_H]) if tma else weight
-    _partial_kernel[(triton.cdiv(N, BLOCK_N), splits)](
+    stages = t["NUM_STAGES_FP32"] if hidden.dtype == torch.float32 else t["NUM_STAGES"]
+    tma = t["TMA"] and tma_ready(hidden) and tma_ready(weight)
+    h_arg = TensorDescriptor.from_tensor(hidden, [t["BLOCK_N"], t["BLOCK_H"]]) if tma else hidden
+    w_arg = TensorDescriptor.from_tensor(weight, [t["BLOCK_V"], t["BLOCK_H"]]) if tma else weight
+    _partial_kernel[(triton.cdiv(N, t["BLOCK_N"]), splits)](
         h_arg, w_arg, bias if bias is not None else hidden, targets,
         scratch[0], scratch[1], scratch[2],
         N, V,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        H=H, TILES=tiles, HAS_BIAS=bias is not None,
+        H=H, TILES=v_tiles, HAS_BIAS=bias is not None,
         DOT_PRECISION=FP32_DOT if hidden.dtype == torch.float32 else "ieee",  # ignored for 2-byte inputs
-        TMA=tma, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        num_warps=NUM_WARPS, num_stages=stages,
+        TMA=tma, BLOCK_N=t["BLOCK_N"], BLOCK_V=t["BLOCK_V"], BLOCK_H=t["BLOCK_H"],
+        num_warps=t["NUM_WARPS"], num_stages=stages,
     )
-    _combine_kernel[(triton.cdiv(N, COMBINE_BLOCK),)](
-        scratch[0], scratch[1], scratch[2], out, N, V_SPLITS=splits, BLOCK=COMBINE_BLOCK,
+    _combine_kernel[(triton.cdiv(N, t["COMBINE_BLOCK"]),)](
+        scratch[0], scratch[1], scratch[2], out, N, V_SPLITS=splits, BLOCK=t["COMBINE_BLOCK"],
     )
     return out
 

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-ALIGN_BLOCK = 1024  # pairs per program of both kernels
-ALIGN_BLOCKS = 64  # aligned blocks per program whose maps the place kernel writes
+from .tiles import ALIGN_BLOCK, ALIGN_BLOCKS
 
 
 @dataclass

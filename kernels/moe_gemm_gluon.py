@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .tiles import (GLUON_BLOCK_K, GLUON_BLOCK_M, GLUON_DOWN_BLOCK_N, GLUON_GATE_UP_BLOCK_N, GLUON_NUM_BUFFERS,
+                    GLUON_NUM_WARPS, GLUON_PAIR_SHRINK_WIDE)
 from .tma import tma_ready
 
 try:  # Gluon ships with triton 3.6 (triton.experimental); older or partial installs fall back to moe_gemm
@@ -42,11 +44,8 @@ try:  # Gluon ships with triton 3.6 (triton.experimental); older or partial inst
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
-BLOCK_M, BLOCK_K, NUM_BUFFERS, NUM_WARPS = 128, 64, 4, 8  # BLOCK_M: the alignment's block rows
-GATE_UP_BLOCK_N, DOWN_BLOCK_N = 128, 256  # gate_up holds two accumulators (gate, up)
 MAX_EXPAND_RANK = 32  # the LoRA expands' operands (gate and up ranks together) go through a free ring buffer:
 # down's [2 * BN, rank] must fit one weight tile; gate_up's registers are full at 32
-PAIR_SHRINK_WIDE = 64  # down's pair shrink: adapter slots x padded rank side by side (one wgmma's N)
 
 
 def moe_gate_up_ref(x: torch.Tensor, w_gate_up: torch.Tensor, align, top_k: int) -> torch.Tensor:
@@ -86,18 +85,18 @@ def usable(a: torch.Tensor, w: torch.Tensor, block_m: int, gated: bool) -> bool:
     if not (HAVE_GLUON and on_hopper(a)):
         return False
     E, N, K = w.shape
-    outputs, block_n = (N // 2, GATE_UP_BLOCK_N) if gated else (N, DOWN_BLOCK_N)
-    return (a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype and block_m == BLOCK_M
-            and outputs % block_n == 0 and K % BLOCK_K == 0 and K // BLOCK_K >= NUM_BUFFERS - 1
+    outputs, block_n = (N // 2, GLUON_GATE_UP_BLOCK_N) if gated else (N, GLUON_DOWN_BLOCK_N)
+    return (a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype and block_m == GLUON_BLOCK_M
+            and outputs % block_n == 0 and K % GLUON_BLOCK_K == 0 and K // GLUON_BLOCK_K >= GLUON_NUM_BUFFERS - 1
             and a.is_contiguous() and w.is_contiguous() and tma_ready(a) and tma_ready(w))
 
 
 def pair_shrink_usable(act: torch.Tensor, la: torch.Tensor) -> bool:
     """Whether the down kernel can compute the pair shrink act @ la[slot, e]^T (la [S, Ea, RS, K]): la contiguous in
-    act's dtype (a TMA descriptor of its rows), its slots x padded rank within PAIR_SHRINK_WIDE."""
+    act's dtype (a TMA descriptor of its rows), its slots x padded rank within GLUON_PAIR_SHRINK_WIDE."""
     S, _, RS, _ = la.shape
     return (la.dtype == act.dtype and la.is_contiguous() and tma_ready(la)
-            and S * max(16, 1 << (RS - 1).bit_length()) <= PAIR_SHRINK_WIDE)
+            and S * max(16, 1 << (RS - 1).bit_length()) <= GLUON_PAIR_SHRINK_WIDE)
 
 
 if HAVE_GLUON:
@@ -548,17 +547,16 @@ def moe_down_gluon(act: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, ali
     assert lora is None or pair_shrink is None, "a per-expert down B, or the pair shrink of a shared one"
     E, N, K = w_down.shape
     dt = _dtype(act)
-    a_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dt))
-    w_desc = TensorDescriptor.from_tensor(w_down.view(E * N, K), [DOWN_BLOCK_N, BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([DOWN_BLOCK_N, BLOCK_K], dt))
-    grid = (min(_num_sms(act), align.num_blocks * (N // DOWN_BLOCK_N)),)
+    a_box, w_box = [GLUON_BLOCK_M, GLUON_BLOCK_K], [GLUON_DOWN_BLOCK_N, GLUON_BLOCK_K]
+    a_desc = TensorDescriptor.from_tensor(act, a_box, gl.NVMMASharedLayout.get_default_for(a_box, dt))
+    w_desc = TensorDescriptor.from_tensor(w_down.view(E * N, K), w_box, gl.NVMMASharedLayout.get_default_for(w_box, dt))
+    grid = (min(_num_sms(act), align.num_blocks * (N // GLUON_DOWN_BLOCK_N)),)
     la_desc, pair_shrunk, RS, shrink_strides = a_desc, act, 0, (0, 0)
     if pair_shrink is not None:
         la, pair_shrunk = pair_shrink
         S, Ea, RS, _ = la.shape
         BLOCK_RS = max(16, 1 << (RS - 1).bit_length())
-        box = [PAIR_SHRINK_WIDE // BLOCK_RS, BLOCK_RS, BLOCK_K]  # every slot's rows of one expert
+        box = [GLUON_PAIR_SHRINK_WIDE // BLOCK_RS, BLOCK_RS, GLUON_BLOCK_K]  # every slot's rows of one expert
         la_desc = TensorDescriptor.from_tensor(la.view(S, Ea * RS, K), box,
                                                gl.NVMMASharedLayout.get_default_for(box, dt))
         shrink_strides = (RS if Ea > 1 else 0, pair_shrunk.stride(0))
@@ -573,8 +571,9 @@ def moe_down_gluon(act: torch.Tensor, w_down: torch.Tensor, y: torch.Tensor, ali
     moe_down_kernel[grid](a_desc, w_desc, la_desc, y, align.sorted_pairs, align.block_expert, align.num_padded,
                           topk_weights, slots, lo, hi, pair_shrunk, shrunk, B, align.num_pairs, top_k, RS, R,
                           y.stride(0), shrink_strides[0], shrink_strides[1], *expand_strides, N=N, K=K,
-                          NUM_BUFFERS=NUM_BUFFERS, PAIR_SHRINK=pair_shrink is not None, WIDE=PAIR_SHRINK_WIDE,
-                          HAS_LORA=lora is not None, BLOCK_R=max(16, 1 << (R - 1).bit_length()), num_warps=NUM_WARPS)
+                          NUM_BUFFERS=GLUON_NUM_BUFFERS, PAIR_SHRINK=pair_shrink is not None,
+                          WIDE=GLUON_PAIR_SHRINK_WIDE, HAS_LORA=lora is not None,
+                          BLOCK_R=max(16, 1 << (R - 1).bit_length()), num_warps=GLUON_NUM_WARPS)
     return y
 
 
@@ -587,11 +586,11 @@ def moe_gate_up_gluon(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tenso
     E, N2, K = w_gate_up.shape
     I = N2 // 2
     dt = _dtype(x)
-    w_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * N2, K), [GATE_UP_BLOCK_N, BLOCK_K],
-                                          gl.NVMMASharedLayout.get_default_for([GATE_UP_BLOCK_N, BLOCK_K], dt))
-    out_desc = TensorDescriptor.from_tensor(act, [BLOCK_M, GATE_UP_BLOCK_N],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, GATE_UP_BLOCK_N], dt))
-    grid = (min(_num_sms(x), align.num_blocks * (I // GATE_UP_BLOCK_N)),)
+    w_box, out_box = [GLUON_GATE_UP_BLOCK_N, GLUON_BLOCK_K], [GLUON_BLOCK_M, GLUON_GATE_UP_BLOCK_N]
+    w_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * N2, K), w_box,
+                                          gl.NVMMASharedLayout.get_default_for(w_box, dt))
+    out_desc = TensorDescriptor.from_tensor(act, out_box, gl.NVMMASharedLayout.get_default_for(out_box, dt))
+    grid = (min(_num_sms(x), align.num_blocks * (I // GLUON_GATE_UP_BLOCK_N)),)
     if lora is not None:
         shrunk, B, by_token = lora
         R = B.shape[3]
@@ -604,6 +603,6 @@ def moe_gate_up_gluon(x: torch.Tensor, w_gate_up: torch.Tensor, act: torch.Tenso
     slots, lo, hi, shrunk, B, R = lora_args
     moe_gate_up_kernel[grid](x, w_desc, out_desc, align.sorted_pairs, align.block_expert, align.num_padded, slots, lo,
                              hi, shrunk, B, align.num_pairs, top_k, R, x.stride(0), *strides, I=I, K=K,
-                             NUM_BUFFERS=NUM_BUFFERS, HAS_LORA=lora is not None, SHRUNK_BY_TOKEN=by_token,
-                             BLOCK_R=max(16, 1 << (R - 1).bit_length()), num_warps=NUM_WARPS)
+                             NUM_BUFFERS=GLUON_NUM_BUFFERS, HAS_LORA=lora is not None, SHRUNK_BY_TOKEN=by_token,
+                             BLOCK_R=max(16, 1 << (R - 1).bit_length()), num_warps=GLUON_NUM_WARPS)
     return act

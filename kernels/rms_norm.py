@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 4
+from .tiles import RMS_NORM_ROWS_PER_PROGRAM
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty(flat.shape, dtype=out_dtype, device=x.device)  # [M, D]
     M = flat.shape[0]
-    rms_norm_kernel[(triton.cdiv(M, ROWS_PER_PROGRAM),)](
+    rms_norm_kernel[(triton.cdiv(M, RMS_NORM_ROWS_PER_PROGRAM),)](
         flat, weight, y, M, D, eps, flat.stride(0), y.stride(0),
-        ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        ROWS=RMS_NORM_ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return y.view(x.shape)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-POSITIONS_PER_PROGRAM = 4
+from .tiles import POSITIONS_PER_PROGRAM
 
 
 def attention_layout(B: int, heads: int, L: int, D: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 16
+from .tiles import ROUTER_ROWS_PER_PROGRAM
 
 
 def router_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +58,10 @@ def router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_l, stride_
     tl.store(ids_ptr + rows[:, None].to(tl.int64) * stride_i + slot[None, :], ids.to(tl.int64), mask=out_mask)
 
 
-def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton counterpart of router_topk_ref: (weights [T, k] float32, ids [T, k] int64)."""
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool, *,
+                rows_per_program: int = ROUTER_ROWS_PER_PROGRAM) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton counterpart of router_topk_ref: (weights [T, k] float32, ids [T, k] int64). `rows_per_program`:
+    the grid's rows per program (ROUTER_ROWS_PER_PROGRAM)."""
     T, E = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -67,7 +69,7 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
-    router_topk_kernel[(triton.cdiv(T, ROWS_PER_PROGRAM),)](
+    router_topk_kernel[(triton.cdiv(T, rows_per_program),)](
         logits, weights, ids, T, E, logits.stride(0), weights.stride(0), ids.stride(0), K=k, RENORMALIZE=renormalize,
-        ROWS=ROWS_PER_PROGRAM, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+        ROWS=rows_per_program, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k), num_warps=4)
     return weights, ids

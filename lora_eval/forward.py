@@ -38,6 +38,9 @@ BACKENDS = ("torch", "triton")
 
 class Forward:
     probe = None  # callable probe(layer, point, tensor) that sees intermediates (see the module notes), or None
+    # the fused MoE's launch table for every forward on the Triton path (kernels/tiles.py MOE_CONFIGS when None): a
+    # benchmark's way to run the engine under other MoE launch settings (benchmarks/mixed_batch_check.py --switches)
+    moe_configs = None
 
     def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None,
                  expert_parallel=None, *, prefixes: list | None = None, capture: tuple[int, list] | None = None):
@@ -61,7 +64,7 @@ class Forward:
         if self.stack is None:
             return
         if self.triton:
-            from .kernels.dense_lora import lora_metadata
+            from .kernels.lora_meta import lora_metadata
 
             self.meta = lora_metadata(token_slots, len(self.stack.names))
         else:
@@ -296,11 +299,13 @@ class Forward:
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
         variant = experts.variant()
         if self.triton:
-            from .kernels.fused_moe import fused_moe
+            from .kernels.fused_moe import fused_moe, pick_config
 
+            config = None if self.moe_configs is None else pick_config(
+                *topk_ids.shape, experts.down_proj.shape[0], x.dtype, self.moe_configs)
             return fused_moe(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
-                             self.token_slots, lora_meta=self.meta if lora is not None else None, residual=residual,
-                             **variant)
+                             self.token_slots, config, lora_meta=self.meta if lora is not None else None,
+                             residual=residual, **variant)
         if lora is not None and not any(s in lora.slots for s in self.groups):
             lora = None
         out = fused_moe_ref(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,

@@ -78,8 +78,9 @@ def _gluon_gemms(T: int):
     """Both persistent Gluon GEMMs (kernels/moe_gemm_gluon.py) at Qwen3-30B-A3B shapes."""
     from lora_eval.kernels import moe_gemm_gluon as mg
     from lora_eval.kernels.moe_align import MoeAlignment
+    from lora_eval.kernels.tiles import GLUON_BLOCK_M
 
-    E, k, H, I, BM = 128, 8, 2048, 768, mg.BLOCK_M
+    E, k, H, I, BM = 128, 8, 2048, 768, GLUON_BLOCK_M
     blocks = T * k // BM + E
     align = MoeAlignment(sorted_pairs=torch.zeros(blocks * BM, dtype=torch.int32),
                          block_expert=torch.zeros(blocks, dtype=torch.int32), block_slot_lo=None, block_slot_hi=None,
@@ -104,8 +105,10 @@ def _gluon_gemms(T: int):
 def _dense_consumers(T: int = 128):
     """Every consumer of a dense LoRA shrink at MAX_SPLITS partial sums, Qwen3-30B-A3B shapes (bf16): the expand,
     o_proj's residual add, q's norm + RoPE (the router's top-k took one too, until its expand moved out: issue #23)."""
-    from lora_eval.kernels.dense_lora import MAX_SPLITS, dense_lora_expand, lora_metadata, lora_residual_add
+    from lora_eval.kernels.dense_lora import dense_lora_expand, lora_residual_add
     from lora_eval.kernels.head_norm_rope import head_norm_rope
+    from lora_eval.kernels.lora_meta import lora_metadata
+    from lora_eval.kernels.tiles import MAX_SPLITS
 
     R, S, D = 16, 4, 128
     bf16 = dict(dtype=torch.bfloat16)

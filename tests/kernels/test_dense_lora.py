@@ -19,13 +19,13 @@ from lora_eval.kernels.dense_lora import (
     dense_lora_shrink,
     embedding_lora,
     embedding_lora_ref,
-    lora_metadata,
     lora_residual_add,
     lora_residual_add_ref,
     shrink_splits,
 )
 from lora_eval.kernels import dense_lora as dense_lora_module
 from lora_eval.kernels.linear import linear_ref
+from lora_eval.kernels.lora_meta import lora_metadata
 from tests.kernels.partials import shrink_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,7 +299,7 @@ def test_consumers_compile_with_the_most_partials(seed):
     """At MAX_SPLITS partial sums (a 128-token batch) every consumer of a shrink compiles at Qwen3-30B-A3B shapes
     (bf16) and gives what the summed [T, R] shrink gives, bit for bit (the same additions in the same order):
     the expand, o_proj's residual add, q's norm + RoPE."""
-    from lora_eval.kernels.dense_lora import MAX_SPLITS
+    from lora_eval.kernels.tiles import MAX_SPLITS
     from lora_eval.kernels.head_norm_rope import head_norm_rope
     from lora_eval.models.layers import rope_cos_sin
 

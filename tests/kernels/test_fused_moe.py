@@ -6,21 +6,23 @@ On the CPU these run in the Triton interpreter (float32, float16; small shapes, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lora_eval.adapters.stack import ExpertLoRA
-from lora_eval.kernels.fused_moe import (SUM_BLOCK_H, MoeConfig, fused_moe, fused_moe_ref, moe_gemm, moe_sum,
-                                         pick_config)
+from lora_eval.kernels.fused_moe import fused_moe, fused_moe_ref, moe_gemm, moe_sum, pick_config
 from lora_eval.kernels import fused_moe as fused_moe_module
 from lora_eval.kernels.moe_align import moe_align, moe_align_ref
+from lora_eval.kernels.tiles import SUM_BLOCKS, SUM_LORA_BLOCKS, MoeConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (tests/conftest.py)
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
 _TILES = {k: v for k, v in SMALL.items() if k != "BLOCK_M"}
 # operand layouts: pointers; expert weights through TMA descriptors; and the activation in block order read
 # through a descriptor too; and the LoRA delta added before the main loop; half-height tail blocks; the down
-# shrink inside the down GEMM (kernels/fused_moe.py MoeConfig)
+# shrink inside the down GEMM (kernels/tiles.py MoeConfig)
 LAYOUTS = {"ptr": MoeConfig(16, _TILES, _TILES), "w_tma": MoeConfig(16, _TILES, _TILES, w_tma=True),
            "sorted_act": MoeConfig(16, _TILES, _TILES, w_tma=True, sorted_act=True),
            "expand_first": MoeConfig(16, _TILES, _TILES, w_tma=True, expand_first=True),
@@ -122,7 +124,7 @@ def test_alignment_of_many_programs(seed):
 def test_moe_sum_over_k(seed, dtype):
     """out[t] = sum over the k routed copies in fp32, every column written (H past one block, ragged)."""
     g = torch.Generator().manual_seed(seed)
-    T, k, H = 3, 5, SUM_BLOCK_H + 37
+    T, k, H = 3, 5, SUM_BLOCKS["BLOCK_H"] + 37
     y = torch.randn(T, k, H, generator=g).to(DEVICE, dtype)
     out = moe_sum(y)
     ref = y.double().sum(1)
@@ -137,7 +139,7 @@ def test_moe_sum_adds_the_residual(seed, dtype):
     """With `residual`, the sum over k (and a shared down B's expand) rounded to the dtype and then added to the
     residual: bit for bit torch's residual + the sum without it, lanes past one block and a ragged tail too."""
     g = torch.Generator().manual_seed(seed)
-    T, k, H, R, S = 37, 3, fused_moe_module.SUM_LORA_BLOCKS["BLOCK_H"] + 24, 8, 3
+    T, k, H, R, S = 37, 3, SUM_LORA_BLOCKS["BLOCK_H"] + 24, 8, 3
     y = torch.randn(T, k, H, generator=g).to(DEVICE, dtype)
     residual = (4 * torch.randn(T, H, generator=g)).to(DEVICE, dtype)
     shrunk, weights = torch.randn(T, k, R, generator=g), torch.rand(T, k, generator=g) + 0.5
@@ -157,7 +159,7 @@ def test_moe_sum_with_shared_down_expand(seed, dtype, tol):
     (sum_j w[t, j] shrunk[t, j]) @ B[slot]^T; tokens of no adapter read no shrink row (NaN there) and equal the
     plain sum bit for bit; tiles with several slots and a ragged last tile (T past one BLOCK_T, H past BLOCK_H)."""
     g = torch.Generator().manual_seed(seed)
-    T, k, H, R, S = 37, 3, fused_moe_module.SUM_LORA_BLOCKS["BLOCK_H"] + 24, 8, 3
+    T, k, H, R, S = 37, 3, SUM_LORA_BLOCKS["BLOCK_H"] + 24, 8, 3
     y = torch.randn(T, k, H, generator=g).to(DEVICE, dtype)
     shrunk = torch.randn(T, k, R, generator=g)
     weights = torch.rand(T, k, generator=g) + 0.5
@@ -235,10 +237,10 @@ def test_moe_gemm_half_tail_blocks(seed, dtype, tol):
 @pytest.mark.parametrize("shared_outer", [True, False])
 @pytest.mark.parametrize("all_slots", [True, False], ids=["shrink-all-slots", "shrink-per-slot"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, layout, monkeypatch):
+def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_slots, layout):
     g = torch.Generator().manual_seed(seed)
     T, k, E, H, I, S, R = 61, 2, 6, 32, 16, 5, 8  # ~20 pairs per expert: several blocks, several slots in most
-    monkeypatch.setattr(fused_moe_module, "ALL_SLOTS_MAX", 128 if all_slots else 0)  # both shrink variants
+    config = replace(LAYOUTS[layout], all_slots_max=128 if all_slots else 0)  # both shrink variants
     x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(T, E, k, g, skip_expert=0)
     weights = weights.to(DEVICE, dtype)
@@ -249,9 +251,9 @@ def test_fused_moe_lora_matches_reference(seed, dtype, tol, shared_outer, all_sl
     slots[slots == 2] = 0  # slot 2 has no rows
     slots[:2] = 4  # the empty slot has rows: they must equal the base model
     slots = slots.to(DEVICE)
-    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=LAYOUTS[layout])
+    out = fused_moe(x, ids, weights, w_gu, w_d, lora, slots, config=config)
     ref = fused_moe_ref(x.float(), ids, weights.float(), w_gu.float(), w_d.float(), _float(lora), slots)
-    base = fused_moe(x, ids, weights, w_gu, w_d, config=LAYOUTS[layout])
+    base = fused_moe(x, ids, weights, w_gu, w_d, config=config)
     assert rel_err(out, ref) < tol
     assert rel_err(base, ref) > 0.05  # the adapters matter, so the test can fail
     no_delta = (slots == -1) | (slots == 4)
@@ -328,7 +330,7 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer, R, seed):
     """Qwen3-30B-A3B layer: E=128, top-8, H=2048, I=768; 4 adapters (shared-outer or per-expert factors) of rank R
     (16: gate and up stacked 16; 32 / 64: PEFT's rank per projection, gate and up stacked 64 / 128, the grouped
     GEMM one pipeline stage shallower to fit shared memory, at rank 64 its expand in two rank chunks); bf16 vs fp32
-    reference. The sizes reach every CONFIGS entry (TMA weights from 1024 tokens, half-height tail blocks from
+    reference. The sizes reach every MOE_CONFIGS entry (TMA weights from 1024 tokens, half-height tail blocks from
     2048, the block-ordered activation and the Gluon GEMMs at 8192)."""
     g = torch.Generator().manual_seed(seed)
     E, k, H, I, S = 128, 8, 2048, 768, 4
@@ -455,7 +457,8 @@ def test_gemm_stages_fit_the_lora_operands_in_shared_memory():
     the table's depth would overflow an H100's shared memory, and steps the expand over rank chunks where one stage
     would not hold them (the numbers behind it: tests/kernels/test_sm90_compile.py compiles these configurations
     for sm_90); work no depth fits is refused by name."""
-    from lora_eval.kernels.fused_moe import GEMM_SMEM, expand_rank_step, gemm_stages
+    from lora_eval.kernels.fused_moe import expand_rank_step, gemm_stages
+    from lora_eval.kernels.tiles import GEMM_SMEM
 
     large = pick_config(4096, 8, 128)
     gate_up, down = large.tiles("gate_up"), large.tiles("down")

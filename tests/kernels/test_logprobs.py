@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_eval.kernels.logprobs import BLOCK_H, BLOCK_N, BLOCK_V, token_logprobs, token_logprobs_ref
+from lora_eval.kernels.logprobs import token_logprobs, token_logprobs_ref
+from lora_eval.kernels.tiles import LOGPROBS_TILES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 N, H, V = 75, 96, 1000  # interpreter-sized; none a multiple of its block
-assert N % BLOCK_N and V % BLOCK_V and H % BLOCK_H
+assert N % LOGPROBS_TILES["BLOCK_N"] and V % LOGPROBS_TILES["BLOCK_V"] and H % LOGPROBS_TILES["BLOCK_H"]
 
 
 def _inputs(seed, n, h, v, dtype, max_logit=50.0, device=DEVICE):
@@ -58,7 +59,7 @@ def test_bias_and_masked_vocab(seed):
     """A bias, with a -inf block covering whole tiles (a split whose rows are all -inf for a while)."""
     hidden, weight, targets = _inputs(seed, N, H, V, torch.float32, max_logit=20.0)
     bias = torch.randn(V, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
-    bias[: 3 * BLOCK_V + 5] = float("-inf")
+    bias[: 3 * LOGPROBS_TILES["BLOCK_V"] + 5] = float("-inf")
     targets[3] = 7  # a masked token: -inf
     out = token_logprobs(hidden, weight, targets, bias, out=_poisoned(N), v_splits=4)
     ref = token_logprobs_ref(hidden, weight, targets, bias)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_eval.kernels.head_norm_rope import TOKENS_PER_PROGRAM, head_norm_rope, head_norm_rope_ref
-from lora_eval.kernels.rms_norm import ROWS_PER_PROGRAM, rms_norm, rms_norm_ref
-from lora_eval.kernels.rope import POSITIONS_PER_PROGRAM, rope, rope_ref
+from lora_eval.kernels.head_norm_rope import head_norm_rope, head_norm_rope_ref
+from lora_eval.kernels.rms_norm import rms_norm, rms_norm_ref
+from lora_eval.kernels.rope import rope, rope_ref
+from lora_eval.kernels.tiles import POSITIONS_PER_PROGRAM, RMS_NORM_ROWS_PER_PROGRAM, TOKENS_PER_PROGRAM
 from lora_eval.models.layers import rope_cos_sin
 from tests.kernels.partials import shrink_partials
 
@@ -20,7 +21,7 @@ DTYPES = [(torch.float32, 1e-6), (torch.float16, 2e-3)]
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_rms_norm_matches_reference(seed, dtype, tol):
     g = torch.Generator().manual_seed(seed)
-    M, D = 3 * ROWS_PER_PROGRAM + 1, 48  # a ragged last program, D not a power of two
+    M, D = 3 * RMS_NORM_ROWS_PER_PROGRAM + 1, 48  # a ragged last program, D not a power of two
     x = (3 * torch.randn(M, D, generator=g) + 0.5).to(DEVICE, dtype)
     w = (1 + 0.3 * torch.randn(D, generator=g)).to(DEVICE, dtype)
     out = rms_norm(x, w, 1e-6)

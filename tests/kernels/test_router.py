@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_eval.kernels.router import ROWS_PER_PROGRAM, router_topk, router_topk_ref
+from lora_eval.kernels.router import router_topk, router_topk_ref
+from lora_eval.kernels.tiles import ROUTER_ROWS_PER_PROGRAM
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,7 +24,7 @@ def distinct_logits(T, E, g, dtype, scale=2.0):
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_router_topk_matches_reference(seed, dtype, E, k, renormalize):
     g = torch.Generator().manual_seed(seed)
-    T = 2 * ROWS_PER_PROGRAM + 5  # a ragged last program
+    T = 2 * ROUTER_ROWS_PER_PROGRAM + 5  # a ragged last program
     logits = distinct_logits(T, E, g, dtype)
     weights, ids = router_topk(logits, k, renormalize)
     ref_w, ref_ids = router_topk_ref(logits, k, renormalize)
