@@ -381,24 +381,30 @@ def head_norms(b: Bench, T, meta, batch=4):
         print(f"{name} norm + rope ({heads} heads): " + "; ".join(cells), flush=True)
 
 
+def dense_sweep(b: Bench, name: str, second: str, seconds: tuple, stages: tuple, run, current: dict, copy) -> None:
+    """Time `run(blocks)` at every BLOCK_M x `second` (BLOCK_K or BLOCK_N) x warps x stages, beside the shipped
+    `current` tiles (run(None)) and `copy` (the bytes' copy), and print the best."""
+    results = {}
+    for bm, b2, nw, ns in itertools.product((32, 64, 128), seconds, (4, 8), stages):
+        blocks = {"BLOCK_M": bm, second: b2, "num_warps": nw, "num_stages": ns}
+        try:
+            results[(bm, b2, nw, ns)] = b.ms(lambda: run(blocks))
+        except Exception as e:  # noqa: BLE001 - tiles that do not fit are skipped
+            print(f"{name} {blocks}: {type(e).__name__}")
+    shipped = b.ms(lambda: run(None))
+    best = min(results, key=results.get)
+    print(f"{name}: current {current} {shipped * 1e3:.1f} us; best BLOCK_M/{second}/warps/stages {best} "
+          f"{results[best] * 1e3:.1f} us; copy {b.ms(copy) * 1e3:.1f} us", flush=True)
+
+
 def dense_shrinks(b: Bench, T, meta):
     s = b.s
     for name, K, R in (("q/k/v shrink", s.H, 3 * RANK), ("o shrink", s.Q, RANK), ("router shrink", s.H, RANK)):
         x = b.randn(T, K)
         A = b.randn(SLOTS, R, K, scale=K**-0.5)
-        results = {}
-        for bm, bk, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)):
-            blocks = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-            try:
-                results[(bm, bk, nw, ns)] = b.ms(lambda: dense_lora_shrink(x, A, meta, blocks=blocks))
-            except Exception as e:  # noqa: BLE001 - tiles that do not fit are skipped
-                print(f"{name} {blocks}: {type(e).__name__}")
-        current = b.ms(lambda: dense_lora_shrink(x, A, meta))
-        best = min(results, key=results.get)
-        copy = b.ms(lambda: x.clone())
-        print(f"{name}: current {DENSE_LORA_BLOCKS['shrink']} {current * 1e3:.1f} us; "
-              f"best BLOCK_M/BLOCK_K/warps/stages {best} {results[best] * 1e3:.1f} us; "
-              f"copy of x {copy * 1e3:.1f} us", flush=True)
+        dense_sweep(b, name, "BLOCK_K", (64, 128, 256), (2, 3, 4),
+                    lambda blocks: dense_lora_shrink(x, A, meta, **({} if blocks is None else {"blocks": blocks})),
+                    DENSE_LORA_BLOCKS["shrink"], lambda: x.clone())
 
 
 def dense_expands(b: Bench, T, meta):
@@ -407,19 +413,10 @@ def dense_expands(b: Bench, T, meta):
         y = b.randn(T, N)
         shrunk = torch.randn(T, 16, device=b.dev)
         B = b.randn(SLOTS, N, 16, scale=0.25)
-        results = {}
-        for bm, bn, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (1,)):
-            blocks = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns)
-            try:
-                results[(bm, bn, nw, ns)] = b.ms(lambda: dense_lora_expand(y, shrunk, B, meta, blocks=blocks))
-            except Exception as e:  # noqa: BLE001
-                print(f"{name} {blocks}: {type(e).__name__}")
-        current = b.ms(lambda: dense_lora_expand(y, shrunk, B, meta))
-        best = min(results, key=results.get)
-        copy = b.ms(lambda: y.clone())
-        print(f"{name}: current {DENSE_LORA_BLOCKS['expand']} {current * 1e3:.1f} us; "
-              f"best BLOCK_M/BLOCK_N/warps/stages {best} {results[best] * 1e3:.1f} us; "
-              f"copy of y {copy * 1e3:.1f} us", flush=True)
+        dense_sweep(b, name, "BLOCK_N", (64, 128, 256), (1,),
+                    lambda blocks: dense_lora_expand(y, shrunk, B, meta, **({} if blocks is None else
+                                                                            {"blocks": blocks})),
+                    DENSE_LORA_BLOCKS["expand"], lambda: y.clone())
 
 
 # ---------------------------------------------------------------------------------------- shrinks (MoE and dense)
