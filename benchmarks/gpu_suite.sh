@@ -1,12 +1,42 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in one call: GPU tests, then the benchmarks. Results go to $OUT.
+# Everything a GPU session starts with, in one call: the GPU tests and the mixed-batch check (issue #23), then the
+# MoE layer benchmark. With two or more GPUs the tests run on GPU 0 while GPU 1 runs the check (RUNS times, 2) and
+# the layer benchmark, and the tests that need two GPUs run last on both. Results: $OUT/gpu_suite.tgz (env.txt,
+# gpu_tests.log with the 25 slowest tests, check_*.log/.csv, moe_layer.*; one file, as the device tool returns at
+# most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
+# GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
+RES=$OUT/gpu_suite
+mkdir -p "$RES"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-  date -u; } 2>&1 | tee "$OUT/env.txt"
+  git log -1 --format=%h 2>/dev/null; date -u; } 2>&1 | tee "$RES/env.txt"
 source benchmarks/gpu_setup.sh
-python3 -m pytest -m gpu -q -rfs --durations=25 tests ${GPU_TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-python3 benchmarks/moe_layer.py --out "$OUT/moe_layer.csv" ${MOE_BENCH_ARGS:-} 2>&1 | tee "$OUT/moe_layer.log" | tail -n 16
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the check imports tests.builders
+GPUS=$(nvidia-smi -L | wc -l)
+
+check_and_layer() {
+  for i in $(seq "${RUNS:-2}"); do
+    python3 benchmarks/mixed_batch_check.py --models 6 --batches 100 --modes eager,graphs --out "$RES/check_$i.csv" \
+      ${CHECK_ARGS:-} > "$RES/check_$i.log" 2>&1; echo "exit $?" >> "$RES/check_$i.log"; tail -n 2 "$RES/check_$i.log"
+  done
+  python3 benchmarks/moe_layer.py --out "$RES/moe_layer.csv" ${MOE_BENCH_ARGS:-} > "$RES/moe_layer.log" 2>&1
+  tail -n 16 "$RES/moe_layer.log"
+}
+
+if [ "$GPUS" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=1 check_and_layer &
+  CUDA_VISIBLE_DEVICES=0 python3 -m pytest -m gpu -q -rfs --durations=25 tests ${GPU_TESTS_ARGS:-} \
+    > "$RES/gpu_tests.log" 2>&1
+  wait
+  python3 -m pytest -m gpu -q -rfs tests/test_expert_parallel.py > "$RES/gpu_tests_2gpu.log" 2>&1  # both GPUs
+  tail -n 3 "$RES/gpu_tests_2gpu.log"
+else
+  python3 -m pytest -m gpu -q -rfs --durations=25 tests ${GPU_TESTS_ARGS:-} > "$RES/gpu_tests.log" 2>&1
+  check_and_layer
+fi
+tail -n 40 "$RES/gpu_tests.log"
+cp "$RES/gpu_tests.log" "$OUT/"
+tar -czf "$OUT/gpu_suite.tgz" -C "$OUT" gpu_suite && rm -rf "$RES"
