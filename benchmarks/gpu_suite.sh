@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Everything a GPU session starts with, in one call: the GPU tests and the mixed-batch check (issue #23), then the
-# MoE layer benchmark. With two or more GPUs the tests run on GPU 0 while GPU 1 runs the check (RUNS times, 2) and
-# the layer benchmark, and the tests that need two GPUs run last on both. Results: $OUT/gpu_suite.tgz (env.txt,
-# gpu_tests.log with the 25 slowest tests, check_*.log/.csv, moe_layer.*; one file, as the device tool returns at
-# most 8) and gpu_tests.log beside it.
+# Everything a GPU session starts with, in one call: the GPU tests and the mixed-batch check (issue #23: tiny models
+# RUNS times (2), then real attention and expert widths once), then the MoE layer benchmark. With two or more GPUs
+# the tests run on GPU 0 while GPU 1 runs the checks and the layer benchmark, and the tests that need two GPUs run
+# last on both. Results: $OUT/gpu_suite.tgz (env.txt, gpu_tests.log with the 25 slowest tests, check_*.log/.csv,
+# moe_layer.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py.
 set -uo pipefail
@@ -22,6 +22,9 @@ check_and_layer() {
     python3 benchmarks/mixed_batch_check.py --models 6 --batches 100 --modes eager,graphs --out "$RES/check_$i.csv" \
       ${CHECK_ARGS:-} > "$RES/check_$i.log" 2>&1; echo "exit $?" >> "$RES/check_$i.log"; tail -n 2 "$RES/check_$i.log"
   done
+  python3 benchmarks/mixed_batch_check.py --dims wide --models 2 --batches 50 --modes eager,graphs \
+    --out "$RES/check_wide.csv" ${CHECK_ARGS:-} > "$RES/check_wide.log" 2>&1; echo "exit $?" >> "$RES/check_wide.log"
+  tail -n 2 "$RES/check_wide.log"
   python3 benchmarks/moe_layer.py --out "$RES/moe_layer.csv" ${MOE_BENCH_ARGS:-} > "$RES/moe_layer.log" 2>&1
   tail -n 16 "$RES/moe_layer.log"
 }

@@ -13,6 +13,7 @@ The cause it found (BENCHMARKS.md "Mixed-batch check"): the router's LoRA expand
 softmax then summed in the dot's layout; rows without an adapter got routing weights a last bit apart.
 
     python benchmarks/mixed_batch_check.py --models 6 --batches 100 --modes eager,graphs --out check.csv
+    python benchmarks/mixed_batch_check.py --dims wide --models 2 --batches 50   (real attention and expert widths)
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ ADAPTER_SETS = {"all": ("peft", "heads", "tinker"), "experts-shared-outer": ("ti
                 "heads": ("heads",)}
 SWITCHES = ("half_tail", "expand_first", "pair_shrink", "w_tma", "gluon", "sorted_act")
 KNOWN_FAILURES = (843810942, 1714229363)  # session seeds of issue #23
+# --dims wide: Qwen3-30B-A3B's attention and expert widths (hidden 2048, 32 heads of 128, 4 KV heads, experts of
+# 768) with 32 experts, top-4: the kernels' tiles and layouts as at the real model, where a summation order that
+# depends on a kernel variant shows (the tiny model's heads of 8 fit one thread's registers)
+DIMS = {"tiny": MOE_OVERRIDES,
+        "wide": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=4)}
 
 
 def configs_without(switch: str | None) -> dict | None:
@@ -88,6 +95,7 @@ def main():
     parser.add_argument("--modes", default="eager,graphs", help="eager and/or graphs (CUDA-graph replay)")
     parser.add_argument("--switches", action="store_true", help="also each MoE launch setting switched off")
     parser.add_argument("--out", default="mixed_batch_check.csv")
+    parser.add_argument("--dims", default="tiny", choices=sorted(DIMS), help="the models' widths (see DIMS)")
     parser.add_argument("--device", default="cuda", help="cpu: the torch backend (a check of this script only)")
     args = parser.parse_args()
     seeds = list(KNOWN_FAILURES)[:args.models] + [random.SystemRandom().randrange(2**31)
@@ -98,7 +106,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for session_seed in seeds:
             root = Path(tmp) / str(session_seed)
-            model_dir = save_random_model(root / "model", "qwen3_moe", seed=session_seed, **MOE_OVERRIDES)
+            model_dir = save_random_model(root / "model", "qwen3_moe", seed=session_seed, **DIMS[args.dims])
             adapter_dirs = make_adapters(model_dir, root, session_seed)
             model = load_model(model_dir, dtype=torch.bfloat16, device=args.device)
             batch_seeds = [random.SystemRandom().randrange(2**31) for _ in range(args.batches)]
@@ -125,7 +133,8 @@ def main():
                         bad_batches += bad > 0
                         bad_rows += bad
                         max_diff = max(max_diff, *diffs)
-                    row = dict(session_seed=session_seed, mode=mode, adapters=adapter_set, switched_off=switch or "-",
+                    row = dict(session_seed=session_seed, dims=args.dims, mode=mode, adapters=adapter_set,
+                               switched_off=switch or "-",
                                batches=len(batch_seeds), bad_batches=bad_batches, bad_rows=bad_rows,
                                max_abs_diff=max_diff, first_difference=where,
                                seconds=round(time.perf_counter() - t0, 1))
