@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from .adapters.targets import layer_of
 from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
@@ -406,6 +405,8 @@ def row_attention(q, k, v, scale: float, sinks=None, window: int | None = None, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     # query i sees keys 0..offset+i: causal aligned to the lower right, which torch's fused kernels take as such
     # (an explicit boolean mask sends SDPA to its slowest kernel on the GPU); where none fits, torch builds the mask
+    from torch.nn.attention.bias import causal_lower_right  # here: importing it loads torch._dynamo (~1 s)
+
     bias = causal_lower_right(q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)  # [B, nh, n, Dv]
 
