@@ -403,12 +403,9 @@ def row_attention(q, k, v, scale: float, sinks=None, window: int | None = None, 
     gqa = q.shape[1] != k.shape[1]
     if offset == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    # query i sees keys 0..offset+i: causal aligned to the lower right, which torch's fused kernels take as such
-    # (an explicit boolean mask sends SDPA to its slowest kernel on the GPU); where none fits, torch builds the mask
-    from torch.nn.attention.bias import causal_lower_right  # here: importing it loads torch._dynamo (~1 s)
-
-    bias = causal_lower_right(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)  # [B, nh, n, Dv]
+    n, total = q.shape[2], k.shape[2]
+    allowed = torch.arange(total, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + offset
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)  # [B, nh, n, Dv]
 
 
 # ---- GPT-OSS ops in plain torch --------------------------------------------------------------------------

@@ -289,8 +289,8 @@ def test_shared_leading_tokens_are_grouped(seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_prefix_path_on_the_gpu(moe_model, tmp_path, seed):
-    """The compiled path (rows grouped by prefix, SDPA with a lower-right causal bias, a fused attention kernel) and
-    its prefix passes against the full prompts, two prefixes and rows without one, base and adapter rows: in float32
+    """The compiled path (rows grouped by prefix, SDPA over the prefix's keys and the row's own under a causal mask
+    offset by the prefix) and its prefix passes against the full prompts, two prefixes and rows without one, base and adapter rows: in float32
     within 1e-4; in bf16 as close to the float32 full prompts as the bf16 full prompts are (median |d| within 1.5x;
     both printed: the GPU's bf16 agreement of prefix reuse)."""
     adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
