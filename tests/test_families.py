@@ -298,7 +298,7 @@ def assert_bf16_like_cpu(label: str, fp32, gpu, cpu) -> None:
     median 0.76x to 1.16x the CPU's, 0.93x on average, while its k2 ranged 0.02x to 10.7x the CPU's;
     BENCHMARKS-history.md section 7). A gross error still fails: k2 below max(1e-3, 10x the CPU's)."""
     d_gpu, d_cpu = (torch.cat([(a - b).float() for a, b in zip(fp32, out)]).abs() for out in (gpu, cpu))
-    k2_gpu, k2_cpu = ((d * d / 2).mean().item() for d in (d_gpu, d_cpu))
+    k2_gpu, k2_cpu = k2(fp32, gpu), k2(fp32, cpu)
     median_gpu, median_cpu = d_gpu.median().item(), d_cpu.median().item()
     print(f"{label} bf16 vs CPU float32: cuda median |d| {median_gpu:.3g}, k2 {k2_gpu:.3g}; "
           f"cpu bf16 median |d| {median_cpu:.3g}, k2 {k2_cpu:.3g}")
