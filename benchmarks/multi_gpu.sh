@@ -9,12 +9,16 @@
 #       DP_LAYERS (48), DP_SAMPLES (1024 reference samples), MMLU_LIMIT (questions per subject, 10), MMLU (the release).
 #   ep  expert parallel: a Qwen3-235B-A22B-shaped checkpoint of EP_LAYERS layers (18: 92 GB in bf16, more than one
 #       H100 holds) written layer by layer, compare and an MMLU subset with --expert-parallel; then the first
-#       EP_AGREE_LAYERS (8) layers of the same checkpoint on one GPU and with --expert-parallel, logprobs side by side.
+#       EP_AGREE_LAYERS (8) layers of the same checkpoint on one GPU and with --expert-parallel, logprobs side by side,
+#       in bf16 and in float32 on the first EP_F32_SAMPLES (16) samples.
 #       EP_FP8=1 writes it in block FP8 as Qwen's FP8 releases (half the disk; on H200s, 32 layers dequantise to 162 GB,
 #       more than one H200 (150.8 GB) holds, in 80 GB of the 128 GB disk: EP_FP8=1 EP_LAYERS=32).
 # CONFIG_DIR holds the two configs (default benchmarks/configs); WRITE_ARGS and DEVICE_ARGS go to write_checkpoint.py
 # and to every lora-eval command (a dry run on the CPU: fake nvidia-smi, tiny configs, "--device cpu").
 # WORK is where the checkpoints go (default /tmp/lora-eval-multi; the dp checkpoint is removed before ep's).
+# BUDGET_S caps the script's wall time (default none): each ep run gets at most the time left less 30 s for packing,
+# and a run whose folder already holds run.json is not run again, so a second call on the warm machine goes on
+# where the first was cut (the 32-layer FP8 write and its runs take more than one 10-minute call).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 WORK=${WORK:-/tmp/lora-eval-multi}
@@ -26,6 +30,15 @@ GPUS=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
   date -u; echo "$GPUS GPUs"; df -h /tmp | tail -n 1; free -g | head -n 2; } 2>&1 | tee "$RES/env.txt"
+left() {  # $1: a step's own limit; prints it, capped by what BUDGET_S leaves (0: no time)
+  local l=$1; [ -n "${BUDGET_S:-}" ] && l=$(( BUDGET_S - SECONDS - 30 < l ? BUDGET_S - SECONDS - 30 : l ))
+  echo $(( l > 1 ? l : 1 )); }
+ep_run() {  # $1: run folder name under $EP, $2: limit (s), $3: log; the rest: the command. Skipped when done.
+  local name=$1 limit; limit=$(left "$2"); shift 2; local log=$1; shift
+  if [ -f "$EP/$name/run.json" ]; then echo "$name: done before" >> "$RES/ep_steps.txt"; return; fi
+  if [ "$limit" -lt 30 ]; then echo "$name: no time left" | tee -a "$RES/ep_steps.txt"; return; fi
+  local t0=$SECONDS; timeout "$limit" "$@" --out "$EP/$name" > "$RES/$log" 2>&1
+  echo "$name: rc $? in $(( SECONDS - t0 )) s (limit $limit)" | tee -a "$RES/ep_steps.txt"; }
 TORCHRUN=(torchrun --standalone --nproc-per-node "$GPUS" --no-python lora-eval)
 MMLU_ARGS=(--data "$MMLU" --limit "${MMLU_LIMIT:-10}" --quiet --overwrite ${DEVICE_ARGS:-})
 
@@ -86,27 +99,32 @@ fi
 if [[ " ${STEPS:-dp ep} " == *" ep "* ]]; then
   EP=$WORK/ep
   AGREE=${EP_AGREE_LAYERS:-8}
-  [ -f "$EP/reference.parquet" ] || timeout 500 python3 benchmarks/write_checkpoint.py --streamed ${EP_FP8:+--fp8} \
+  W0=$SECONDS
+  [ -f "$EP/reference.parquet" ] || timeout "$(left 500)" python3 benchmarks/write_checkpoint.py --streamed ${EP_FP8:+--fp8} \
       --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-235B-A22B.json" ${WRITE_ARGS:-} --layers "${EP_LAYERS:-18}" --samples "${EP_SAMPLES:-256}" \
-      --tokenizer-from "$MMLU" --out "$EP" 2>&1 | tail -n 2 | tee "$RES/ep_write.log"
-  du -sh "$EP/model" | tee -a "$RES/ep_write.log"
-  python3 benchmarks/write_checkpoint.py --first-layers-of "$EP" --layers "$AGREE" --out "$EP/first" >> "$RES/ep_write.log"
+      --tokenizer-from "$MMLU" --out "$EP" 2>&1 | tail -n 2 | tee -a "$RES/ep_write.log"
+  { echo "write: $(( SECONDS - W0 )) s"; du -sh "$EP/model"; } | tee -a "$RES/ep_write.log"
+  [ -f "$EP/first/reference.parquet" ] || python3 benchmarks/write_checkpoint.py --first-layers-of "$EP" --layers "$AGREE" \
+      --out "$EP/first" >> "$RES/ep_write.log"
   timeout 60 lora-eval plan --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --gpus "$GPUS" > "$RES/ep_plan.txt" 2>&1
   ARGS=(compare --reference "$EP/reference.parquet" --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-})
-  timeout 400 "${TORCHRUN[@]}" "${ARGS[@]}" --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --expert-parallel \
-      --out "$EP/run" > "$RES/ep.log" 2>&1
-  timeout 300 "${TORCHRUN[@]}" mmlu --model "$EP/model" --adapter "adapter=$EP/peft/adapter" "${MMLU_ARGS[@]}" \
-      --expert-parallel --out "$EP/mmlu" > "$RES/ep_mmlu.log" 2>&1
   FIRST=(--model "$EP/first/model" --adapter "adapter=$EP/first/peft/adapter")
-  CUDA_VISIBLE_DEVICES=0 timeout 200 lora-eval "${ARGS[@]}" "${FIRST[@]}" --out "$EP/first_one" \
-      > "$RES/ep_first_one.log" 2>&1
-  timeout 200 "${TORCHRUN[@]}" "${ARGS[@]}" "${FIRST[@]}" --expert-parallel --out "$EP/first_ep" \
-      > "$RES/ep_first_ep.log" 2>&1
-  for r in run mmlu first_one first_ep; do cp "$EP/$r/run.json" "$RES/ep_$r.json" 2>/dev/null; done
+  ep_run run 400 ep.log "${TORCHRUN[@]}" "${ARGS[@]}" --model "$EP/model" --adapter "adapter=$EP/peft/adapter" --expert-parallel
+  ep_run first_ep 200 ep_first_ep.log "${TORCHRUN[@]}" "${ARGS[@]}" "${FIRST[@]}" --expert-parallel
+  CUDA_VISIBLE_DEVICES=0 ep_run first_one 200 ep_first_one.log lora-eval "${ARGS[@]}" "${FIRST[@]}"
+  # the same pair in float32 on the first EP_F32_SAMPLES (16) samples: agreement without bf16's routing flips
+  python3 -c "import pandas as pd, sys; pd.read_parquet(sys.argv[1]).head(int(sys.argv[3])).to_parquet(sys.argv[2])" \
+      "$EP/reference.parquet" "$EP/first/reference_f32.parquet" "${EP_F32_SAMPLES:-16}"
+  F32=("${ARGS[@]/$EP\/reference.parquet/$EP/first/reference_f32.parquet}" "${FIRST[@]}" --dtype float32)
+  CUDA_VISIBLE_DEVICES=0 ep_run first_one_f32 200 ep_first_one_f32.log lora-eval "${F32[@]}"
+  ep_run first_ep_f32 200 ep_first_ep_f32.log "${TORCHRUN[@]}" "${F32[@]}" --expert-parallel
+  ep_run mmlu 300 ep_mmlu.log "${TORCHRUN[@]}" mmlu --model "$EP/model" --adapter "adapter=$EP/peft/adapter" \
+      "${MMLU_ARGS[@]}" --expert-parallel
+  for r in run mmlu first_one first_ep first_one_f32 first_ep_f32; do cp "$EP/$r/run.json" "$RES/ep_$r.json" 2>/dev/null; done
   { timings "EP compare, ${EP_LAYERS:-18} layers, $GPUS GPUs" "$EP/run"
     timings "EP mmlu, ${EP_LAYERS:-18} layers, $GPUS GPUs" "$EP/mmlu"
     timings "first $AGREE layers, 1 GPU" "$EP/first_one"; timings "first $AGREE layers, EP" "$EP/first_ep"
-    side_by_side "$EP/first_one" "$EP/first_ep"; } 2>&1 | tee "$RES/ep_summary.txt"
+    side_by_side "$EP/first_one" "$EP/first_ep"; side_by_side "$EP/first_one_f32" "$EP/first_ep_f32"; } 2>&1 | tee "$RES/ep_summary.txt"
 fi
 
 cp "$RES"/*_summary.txt "$OUT/" 2>/dev/null
