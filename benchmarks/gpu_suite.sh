@@ -6,6 +6,9 @@
 # moe_layer.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py.
+# The tests run in GPU_TEST_WORKERS (4) pytest-xdist processes on one GPU: most of a serial run's 463 s (H200,
+# 7d35a35) was Triton compiling one kernel variant after another on one CPU core, which processes do side by side
+# (BENCHMARKS.md has the suite's time with them); 1 runs them in one process.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 RES=$OUT/gpu_suite
@@ -16,6 +19,8 @@ mkdir -p "$RES"
 source benchmarks/gpu_setup.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the check imports tests.builders
 GPUS=$(nvidia-smi -L | wc -l)
+WORKERS=${GPU_TEST_WORKERS:-4}
+[ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS") || XDIST=()
 
 check_and_layer() {
   for i in $(seq "${RUNS:-2}"); do
@@ -31,13 +36,13 @@ check_and_layer() {
 
 if [ "$GPUS" -ge 2 ]; then
   CUDA_VISIBLE_DEVICES=1 check_and_layer &
-  CUDA_VISIBLE_DEVICES=0 python3 -m pytest -m gpu -q -rfs --durations=25 tests ${GPU_TESTS_ARGS:-} \
+  CUDA_VISIBLE_DEVICES=0 python3 -m pytest -m gpu -q -rfs --durations=25 "${XDIST[@]}" tests ${GPU_TESTS_ARGS:-} \
     > "$RES/gpu_tests.log" 2>&1
   wait
   python3 -m pytest -m gpu -q -rfs tests/test_expert_parallel.py > "$RES/gpu_tests_2gpu.log" 2>&1  # both GPUs
   tail -n 3 "$RES/gpu_tests_2gpu.log"
 else
-  python3 -m pytest -m gpu -q -rfs --durations=25 tests ${GPU_TESTS_ARGS:-} > "$RES/gpu_tests.log" 2>&1
+  python3 -m pytest -m gpu -q -rfs --durations=25 "${XDIST[@]}" tests ${GPU_TESTS_ARGS:-} > "$RES/gpu_tests.log" 2>&1
   check_and_layer
 fi
 tail -n 40 "$RES/gpu_tests.log"

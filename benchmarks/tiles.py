@@ -8,6 +8,7 @@ passes its settings to the op as arguments; no module constant is changed.
     python benchmarks/tiles.py dense [--tokens 4096] [--sections shrink,expand,head-norm]
     python benchmarks/tiles.py shrinks [--tokens 128,4096] [--sections moe,dense]
     python benchmarks/tiles.py logprobs [--rows 128,1024,4096,8192]
+    python benchmarks/tiles.py attention [--rows 200] [--prefix 600] [--suffix 110]
     (a dry run on the CPU, any of them: TRITON_INTERPRET=1 python benchmarks/tiles.py OP --device cpu --shape tiny
      --dtype float32 ...; the times then mean nothing)
 
@@ -37,6 +38,11 @@ same shrink as extra output columns of the base GEMM (x @ [W; A]^T with one or a
 151936) by its launch settings (TMA, NUM_STAGES, BLOCK_V over LOGPROBS_TILES, passed as `tiles`), against cuBLAS
 computing only the logits and against the weight's read floor at 3 TB/s.
 
+`attention`: the prefixed attention (kernels/prefix_attention.py) of one MMLU-like group (ROWS questions of up to
+SUFFIX tokens after one PREFIX-token 5-shot prefix, q/kv heads of the shape) by tile, against the torch form it
+replaced (the prefix's keys and values concatenated in front of every row, SDPA with an offset causal mask) and
+against causal SDPA over the full prompts (what running without the prefix cache costs in attention).
+
 bf16 unless --dtype; times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph) on a GPU, of a few
 wall-clock calls on the CPU. Findings: BENCHMARKS-history.md, sections 1 (moe, logprobs) and 3 (dense, shrinks).
 """
@@ -60,9 +66,11 @@ from lora_eval.kernels import logprobs as lp
 from lora_eval.kernels.dense_lora import dense_lora_expand, dense_lora_shrink
 from lora_eval.kernels.lora_meta import lora_metadata
 from lora_eval.kernels.moe_align import moe_align
+from lora_eval.kernels.prefix_attention import prefix_attention
 from lora_eval.kernels.rms_norm import rms_norm
 from lora_eval.kernels.rope import rope
-from lora_eval.kernels.tiles import DENSE_LORA_BLOCKS
+from lora_eval.kernels.tiles import DENSE_LORA_BLOCKS, PREFIX_ATTENTION_TILES
+from lora_eval.forward import row_attention
 from lora_eval.models.layers import rope_cos_sin
 
 
@@ -528,6 +536,47 @@ def logprobs(b: Bench, args):
         print("\n  ".join(row))
 
 
+# ------------------------------------------------------------------------------------------ prefixed attention
+
+ATTENTION_TILES = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st)
+                   for m, n, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 4, 2),
+                                       (128, 128, 8, 2), (32, 64, 4, 2)]]
+
+
+def attention(b: Bench, args):
+    s, g = b.s, b.generator()
+    B, P, L = args.rows, args.prefix, args.suffix
+    q = b.randn(B, L, s.HEADS_Q, s.D, g=g).transpose(1, 2)  # [B, nh, L, D], the forward's layout
+    k, v = b.randn(B, s.HEADS_KV, L, s.D, g=g), b.randn(B, s.HEADS_KV, L, s.D, g=g)
+    pk, pv = b.randn(s.HEADS_KV, P, s.D, g=g), b.randn(s.HEADS_KV, P, s.D, g=g)
+    rows = torch.arange(B, device=b.dev)
+    scale = s.D ** -0.5
+
+    def torch_form():
+        kk = torch.cat([pk[None].expand(B, -1, -1, -1), k], dim=2)
+        vv = torch.cat([pv[None].expand(B, -1, -1, -1), v], dim=2)
+        return row_attention(q, kk, vv, scale, offset=P)
+
+    reference = torch_form()
+    full_q = b.randn(B, s.HEADS_Q, P + L, s.D, g=g)
+    full_kv = b.randn(B, s.HEADS_KV, P + L, s.D, g=g)
+    full = b.ms(lambda: F.scaled_dot_product_attention(full_q, full_kv, full_kv, is_causal=True, scale=scale,
+                                                       enable_gqa=True))
+    old = b.ms(torch_form)
+    print(f"{B} rows x {L} tokens after a {P}-token prefix: torch form {old:.3f} ms, causal SDPA over the full "
+          f"prompts {full:.3f} ms")
+    for tiles in ATTENTION_TILES:
+        out = torch.empty_like(reference)
+        try:
+            ms = b.ms(lambda: prefix_attention(q, k, v, out, rows, scale, pk, pv, tiles=tiles))
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit
+            print(f"  {tiles}: {type(e).__name__}")
+            continue
+        mark = " (ships)" if tiles == PREFIX_ATTENTION_TILES else ""
+        print(f"  {tiles}{mark}: {ms:.3f} ms, {old / ms:.2f}x the torch form, max diff "
+              f"{(out.float() - reference.float()).abs().max().item():.1e}")
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 
 def main():
@@ -556,11 +605,16 @@ def main():
     p = ops.add_parser("logprobs", parents=[common],
                        help="the fused lm_head + log-softmax + gather against cuBLAS's logits")
     p.add_argument("--rows", default="128,1024,4096,8192")
+    p = ops.add_parser("attention", parents=[common],
+                       help="the prefixed attention by tile against the torch form and full-prompt SDPA")
+    p.add_argument("--rows", type=int, default=200)
+    p.add_argument("--prefix", type=int, default=600)
+    p.add_argument("--suffix", type=int, default=110)
     args = parser.parse_args()
     b = Bench(args.device, args.dtype, args.shape)
     print(f"{args.op} on {torch.cuda.get_device_name(b.dev) if b.cuda else b.dev}, {args.dtype}, shape {args.shape}, "
           f"torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    {"moe": moe, "dense": dense, "shrinks": shrinks, "logprobs": logprobs}[args.op](b, args)
+    {"moe": moe, "dense": dense, "shrinks": shrinks, "logprobs": logprobs, "attention": attention}[args.op](b, args)
 
 
 if __name__ == "__main__":

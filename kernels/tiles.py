@@ -127,6 +127,13 @@ RESIDUAL_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 # Qwen3-30B-A3B (benchmarks/tiles.py dense --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
 TOKENS_PER_PROGRAM = 32
 
+# --------------------------------------------------------------------- prefixed attention (prefix_attention.py)
+
+# queries x keys per step, grid (cdiv(L, BLOCK_M), rows x heads). Not swept yet: 64 x 64 with 4 warps is the
+# usual flash-attention tile at head dim 128 (Triton's fused-attention tutorial on Hopper); its first GPU figure is
+# the MMLU benchmark's forward with shared prefixes (BENCHMARKS.md).
+PREFIX_ATTENTION_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
 # ------------------------------------------------------------------------ router, RMSNorm, RoPE (router.py, ...)
 
 # no measurement recorded for these three

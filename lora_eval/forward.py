@@ -28,6 +28,7 @@ from .adapters.targets import layer_of
 from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
 from .kernels.fused_moe import fused_moe_ref
 from .kernels.linear import linear_ref
+from .kernels.prefix_attention import prefix_attention
 from .kernels.rms_norm import rms_norm_ref
 from .kernels.rope import rope_ref
 from .kernels.router import router_topk, router_topk_ref
@@ -56,6 +57,7 @@ class Forward:
         self.prefixes = prefixes if prefixes is not None and any(p is not None for p in prefixes) else None
         self.capture = capture
         self._attention_calls = 0
+        self._rows_by_prefix = None  # built by _prefix_groups
         self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
         self.stack = stack if token_slots is not None else None
@@ -358,29 +360,39 @@ class Forward:
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
 
-    def _prefixed_attention(self, layer: int, q, k, v, scale: float, sinks, window) -> torch.Tensor:
-        """Attention of a batch some of whose rows continue a cached prefix: per row, over the prefix's keys and
-        values of this layer followed by the row's own, query i (at position prefix + i) seeing keys 0..prefix + i
-        (and only the last `window` of them; sinks as usual). The same per-row plain torch on both backends (the
-        Triton path's batched call has no place for a prefix; prefixed batches also run eagerly, without graphs).
-        Rows without a prefix compute exactly what the torch path computes for them. On the Triton path the rows of
-        one prefix (and those without) go in one call, at the padded length: right padding sits after every valid
-        position, so the causal mask with the prefix's offset keeps it out of every real query's view."""
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]
-        if self.triton:
+    def _prefix_groups(self, device) -> list:
+        """[(prefix or None, rows [G] on device)]: the batch's rows by cached prefix, built at the first layer."""
+        if self._rows_by_prefix is None:
             groups: dict = {}
             for b in range(len(self.lengths)):
                 prefix = self.prefixes[b] if b < len(self.prefixes) else None
                 groups.setdefault(id(prefix), (prefix, []))[1].append(b)
-            for prefix, rows in groups.values():
-                idx = torch.tensor(rows, device=q.device)  # [G]
-                qg, kg, vg = q[idx], k[idx], v[idx]  # [G, nh, L, D], [G, nkv, L, Dk], [G, nkv, L, Dv]
-                if prefix is not None:
-                    pk, pv = prefix.kv[layer]  # [nkv, P, Dk], [nkv, P, Dv]
-                    kg = torch.cat([pk[None].to(kg.dtype).expand(len(rows), -1, -1, -1), kg], dim=2)
-                    vg = torch.cat([pv[None].to(vg.dtype).expand(len(rows), -1, -1, -1), vg], dim=2)
-                out[idx] = row_attention(qg, kg, vg, scale, sinks, window, 0 if prefix is None else prefix.length)
+            self._rows_by_prefix = [(prefix, torch.tensor(rows, device=device)) for prefix, rows in groups.values()]
+        return self._rows_by_prefix
+
+    def _prefixed_attention(self, layer: int, q, k, v, scale: float, sinks, window) -> torch.Tensor:
+        """Attention of a batch some of whose rows continue a cached prefix: per row, over the prefix's keys and
+        values of this layer followed by the row's own, query i (at position prefix + i) seeing keys 0..prefix + i
+        (and only the last `window` of them; sinks as usual). Rows without a prefix compute exactly what the torch
+        path computes for them. The Triton path takes the rows of one prefix (and those without) in one launch of
+        kernels/prefix_attention.py, which reads the prefix in place (with sinks or a window: plain torch over the
+        prefix's keys concatenated in front, at the padded length, whose right padding sits after every valid
+        position and so outside every real query's view); the torch path goes row by row. Prefixed batches run
+        eagerly, without graphs."""
+        if self.triton:
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: each row written by its group's launch
+            for prefix, rows in self._prefix_groups(q.device):
+                pk, pv = (None, None) if prefix is None else (t.to(k.dtype) for t in prefix.kv[layer])
+                if sinks is None and window is None:
+                    prefix_attention(q, k, v, out, rows, scale, pk, pv)
+                    continue
+                qg, kg, vg = q[rows], k[rows], v[rows]  # [G, nh, L, D], [G, nkv, L, Dk], [G, nkv, L, Dv]
+                if prefix is not None:  # pk [nkv, P, Dk], pv [nkv, P, Dv]
+                    kg = torch.cat([pk[None].expand(len(rows), -1, -1, -1), kg], dim=2)
+                    vg = torch.cat([pv[None].expand(len(rows), -1, -1, -1), vg], dim=2)
+                out[rows] = row_attention(qg, kg, vg, scale, sinks, window, 0 if prefix is None else prefix.length)
             return out
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]
         for b, n in enumerate(self.lengths):
             prefix = self.prefixes[b] if b < len(self.prefixes) else None
             qb, kb, vb = q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n]

@@ -31,12 +31,26 @@ def seed(request) -> int:
     return value
 
 
+_SESSION_SEED: list[int] = []  # this process's session seed, once drawn (each pytest-xdist worker draws its own)
+
+
 @pytest.fixture(scope="session")
 def session_seed() -> int:
-    """The session's models' seed, printed at setup; LORA_EVAL_SESSION_SEED=N replays one."""
+    """The session's models' seed, printed at setup and in the report of every failing test that used it;
+    LORA_EVAL_SESSION_SEED=N replays one."""
     value = int(os.environ.get("LORA_EVAL_SESSION_SEED") or random.SystemRandom().randrange(2**31))
     print(f"session seed={value}")
+    _SESSION_SEED.append(value)
     return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test whose models came from the session seed names it: the print at setup went to whichever test
+    set the fixture up first, perhaps in another worker's log."""
+    report = (yield).get_result()
+    if report.failed and _SESSION_SEED and "session_seed" in item.fixturenames:
+        report.sections.append(("replay", f"LORA_EVAL_SESSION_SEED={_SESSION_SEED[0]}"))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ nothing, so a whole fused MoE layer's launches go through Triton's real compiler
 shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descriptors, wgmma pipelines) that the
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
-    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms or dense-lora-partials;
+    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms, dense-lora-partials or
+                                                   prefix-attention;
                                                    prints one line per compiled kernel)
 """
 
@@ -123,6 +124,18 @@ def _dense_consumers(T: int = 128):
                    lora=(parts, torch.empty(S, 32 * D, R, **bf16), *lora))
 
 
+def _prefix_attention():
+    """The prefixed attention at Qwen3-30B-A3B's heads (32 query heads over 4, head dim 128) and MLA's (query/key
+    192, value 128), bf16."""
+    from lora_eval.kernels.prefix_attention import prefix_attention
+
+    bf16 = dict(dtype=torch.bfloat16)
+    for nh, nkv, D, DV in ((32, 4, 128, 128), (16, 16, 192, 128)):
+        q, k, v = torch.empty(8, nh, 100, D, **bf16), torch.empty(8, nkv, 100, D, **bf16), torch.empty(8, nkv, 100, DV, **bf16)
+        prefix_attention(q, k, v, torch.empty(8, nh, 100, DV, **bf16), torch.arange(8), D ** -0.5,
+                         torch.empty(nkv, 600, D, **bf16), torch.empty(nkv, 600, DV, **bf16))
+
+
 CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
     "moe-4096": (4096, {}, 16, False),  # gathered activation rows, TMA weights, half-height tails, expand first
     "moe-8192": (8192, {}, 16, False),  # block-ordered activation through TMA, half-height tails, expand first
@@ -148,6 +161,8 @@ if __name__ == "__main__":
         _gluon_gemms(8192)
     elif sys.argv[1] == "dense-lora-partials":
         _dense_consumers()
+    elif sys.argv[1] == "prefix-attention":
+        _prefix_attention()
     elif sys.argv[1] in HOPPER_CASES:
         rank, shared_outer = HOPPER_CASES[sys.argv[1]]
         _layer(8192, {}, rank, shared_outer, hopper=True)

@@ -6,6 +6,7 @@ On the CPU these run in the Triton interpreter (float32, float16; small shapes, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -48,13 +49,13 @@ def routing(T, E, k, g, device=DEVICE, skip_expert=None):
 def expert_lora(S, E, H, I, R, g, dtype, shared_outer=True, empty_slot=None, gate_up_rank=None):
     """Stacked expert LoRA with gate/up A shared across experts and down B shared (expert dim 1) when
     shared_outer; slot `empty_slot` all zero (an adapter with no expert weights). Rank R, gate_up_rank (gate and up
-    stacked: twice PEFT's rank per projection) R unless given."""
+    stacked: twice PEFT's rank per projection) R unless given. Drawn on g's device."""
     Ea = 1 if shared_outer else E
     Rg = gate_up_rank or R
+    draw = functools.partial(torch.randn, generator=g, device=g.device)
     lora = ExpertLoRA(
-        gate_up_A=0.3 * torch.randn(S, Ea, Rg, H, generator=g),
-        gate_up_B=0.3 * torch.randn(S, E, 2 * I, Rg, generator=g),
-        down_A=0.3 * torch.randn(S, E, R, I, generator=g), down_B=0.3 * torch.randn(S, Ea, H, R, generator=g),
+        gate_up_A=0.3 * draw(S, Ea, Rg, H), gate_up_B=0.3 * draw(S, E, 2 * I, Rg),
+        down_A=0.3 * draw(S, E, R, I), down_B=0.3 * draw(S, Ea, H, R),
         slots=frozenset(range(S)))
     for name in ("gate_up_A", "gate_up_B", "down_A", "down_B"):
         t = getattr(lora, name)
@@ -331,15 +332,17 @@ def test_fused_moe_bf16_qwen3_30b_shapes(T, shared_outer, R, seed):
     (16: gate and up stacked 16; 32 / 64: PEFT's rank per projection, gate and up stacked 64 / 128, the grouped
     GEMM one pipeline stage shallower to fit shared memory, at rank 64 its expand in two rank chunks); bf16 vs fp32
     reference. The sizes reach every MOE_CONFIGS entry (TMA weights from 1024 tokens, half-height tail blocks from
-    2048, the block-ordered activation and the Gluon GEMMs at 8192)."""
+    2048, the block-ordered activation and the Gluon GEMMs at 8192). Weights drawn on the GPU (on the CPU, 0.6 G
+    normal draws took ~10 s a case)."""
     g = torch.Generator().manual_seed(seed)
-    E, k, H, I, S = 128, 8, 2048, 768, 4
     dev = "cuda"
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    gd = torch.Generator(device=dev).manual_seed(seed)
+    E, k, H, I, S = 128, 8, 2048, 768, 4
+    x = torch.randn(T, H, generator=gd, device=dev).to(torch.bfloat16)
     ids, weights = routing(T, E, k, g, device=dev)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dev, torch.bfloat16)
-    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to(dev, torch.bfloat16)
-    lora = expert_lora(S, E, H, I, R, g, torch.bfloat16, shared_outer=shared_outer,
+    w_gu = (torch.randn(E, 2 * I, H, generator=gd, device=dev) / H**0.5).to(torch.bfloat16)
+    w_d = (torch.randn(E, H, I, generator=gd, device=dev) / I**0.5).to(torch.bfloat16)
+    lora = expert_lora(S, E, H, I, R, gd, torch.bfloat16, shared_outer=shared_outer,
                        gate_up_rank=16 if R == 16 else 2 * R)
     lora = ExpertLoRA(*(getattr(lora, n).to(dev) for n in ("gate_up_A", "gate_up_B", "down_A", "down_B")),
                       slots=lora.slots)
@@ -369,13 +372,14 @@ def test_gluon_gemms_equal_moe_gemm(T, seed):
     from lora_eval.kernels import moe_gemm_gluon as mg
 
     g = torch.Generator().manual_seed(seed)
+    gd = torch.Generator(device="cuda").manual_seed(seed)  # the weights: drawn on the GPU
     E, k, H, I, BM = 128, 8, 2048, 768, 128
     ids, weights = routing(T, E, k, g, device="cuda", skip_expert=5)
     weights = weights.reshape(-1).to(torch.bfloat16)
     align = moe_align(ids, E, BM)
-    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
-    w_gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to("cuda", torch.bfloat16)
-    w_d = (torch.randn(E, H, I, generator=g) / I**0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(T, H, generator=gd, device="cuda").to(torch.bfloat16)
+    w_gu = (torch.randn(E, 2 * I, H, generator=gd, device="cuda") / H**0.5).to(torch.bfloat16)
+    w_d = (torch.randn(E, H, I, generator=gd, device="cuda") / I**0.5).to(torch.bfloat16)
     if not (mg.usable(x, w_gu, BM, gated=True) and mg.usable(x.new_empty(BM, I), w_d, BM, gated=False)):
         pytest.skip("needs a Hopper GPU and Gluon")
     tiles = pick_config(8192, k, E)
@@ -402,7 +406,7 @@ def test_gluon_gemms_equal_moe_gemm(T, seed):
     S, R = 4, 32
     slots = torch.randint(-1, S, (T,), generator=g).to("cuda")
     align = moe_align(ids, E, BM, slots, S)
-    B = (0.3 * torch.randn(S, E, 2 * I, R, generator=g)).to("cuda", torch.bfloat16)
+    B = (0.3 * torch.randn(S, E, 2 * I, R, generator=gd, device="cuda")).to(torch.bfloat16)
     for by_token in (False, True):
         shrunk = torch.randn(T if by_token else align.num_blocks * BM, R, generator=g).to(  # by token: float32
             "cuda", torch.float32 if by_token else torch.bfloat16)  # partial sums, as dense_lora_shrink gives
@@ -417,7 +421,7 @@ def test_gluon_gemms_equal_moe_gemm(T, seed):
     # down with the pair shrink (LoRA A of 4 slots side by side; rows of no adapter) against moe_gemm's, bit for bit,
     # and the shrink against torch: act[row of pair] @ A[slot, expert]^T
     RS = 16
-    la = (torch.randn(S, E, RS, I, generator=g) / I**0.5).to("cuda", torch.bfloat16)
+    la = (torch.randn(S, E, RS, I, generator=gd, device="cuda") / I**0.5).to(torch.bfloat16)
     shrunk = torch.full((T * k, RS), float("nan"), dtype=torch.bfloat16, device="cuda")  # [P, RS]
     shrunk_triton = torch.full_like(shrunk, float("nan"))
     y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -441,7 +445,7 @@ def test_gluon_gemms_equal_moe_gemm(T, seed):
     # down with a per-expert LoRA expand (the shrink by block row; 4 slots and rows of none) against moe_gemm's
     # expand-first, bit for bit
     shrunk = torch.randn(align.num_blocks * BM, RS, generator=g).to("cuda", torch.bfloat16)  # [NB * BM, RS]
-    B_down = (0.3 * torch.randn(S, E, H, RS, generator=g)).to("cuda", torch.bfloat16)
+    B_down = (0.3 * torch.randn(S, E, H, RS, generator=gd, device="cuda")).to(torch.bfloat16)
     y = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     mg.moe_down_gluon(act, w_d, y, align, k, weights, lora=(shrunk, B_down))
     moe_gemm(act, w_d, y_triton, align, gated=False, rows_are_tokens=False, top_k=k, topk_weights=weights,

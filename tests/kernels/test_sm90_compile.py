@@ -56,6 +56,12 @@ def test_dense_lora_consumers_compile_with_the_most_partials():
     assert set(compiled) == {"_expand_kernel", "_residual_add_kernel", "head_norm_rope_kernel"}
 
 
+def test_prefix_attention_compiles_for_hopper():
+    """The prefixed attention at real head widths (128; MLA's 192 / 128): one compile per width, in shared memory."""
+    compiled = compile_case("prefix-attention")
+    assert set(compiled) == {"prefix_attention_kernel"}
+
+
 @pytest.mark.parametrize("case,gluon_gate_up", [("moe-8192-gluon-rank-16", True), ("moe-8192-gluon-rank-32", False),
                                                ("moe-8192-gluon-shared-outer", True)])
 def test_fused_moe_routes_lora_work_to_gluon(case, gluon_gate_up):

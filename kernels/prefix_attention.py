@@ -1,0 +1,124 @@
+"""Causal attention of rows that continue a cached prefix (issue #24): each row's queries attend to the prefix's keys
+and values, shared by every row of the group and read in place, then to the row's own, causally. One program per
+(block of queries, row, head), a flash-attention loop with the softmax online in float32: the prefix is neither
+copied per row nor masked through a [queries, keys] tensor, as the plain torch form (row_attention) has to.
+
+Shapes: q [B, nh, L, D], k [B, nkv, L, D], v [B, nkv, L, Dv] (any strides; nh a multiple of
+nkv: query head h reads kv head h // (nh // nkv)); the prefix's pk [nkv, P, D], pv [nkv, P, Dv]; rows [G] the batch
+rows of the group; out [B, nh, L, Dv] (head dim contiguous), written at those rows. Query i of a row sits at position P + i and sees the
+P prefix keys and its own keys 0..i. Right padding after a row's length only ever meets queries of the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import PREFIX_ATTENTION_TILES
+
+
+def prefix_attention_ref(q, k, v, scale: float, prefix_k=None, prefix_v=None) -> torch.Tensor:
+    """Plain torch: the prefix's keys and values in front of each row's, then attention under the causal mask
+    offset by the prefix length, in float32. Same shapes as the kernel, all rows."""
+    B, nh, L, _ = q.shape
+    group = nh // k.shape[1]
+    if prefix_k is not None:
+        k = torch.cat([prefix_k[None].expand(B, -1, -1, -1), k], dim=2)  # [B, nkv, P + L, D]
+        v = torch.cat([prefix_v[None].expand(B, -1, -1, -1), v], dim=2)  # [B, nkv, P + L, Dv]
+    P = k.shape[2] - L
+    k = k.float().repeat_interleave(group, dim=1)  # [B, nh, P + L, D]
+    v = v.float().repeat_interleave(group, dim=1)  # [B, nh, P + L, Dv]
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale  # [B, nh, L, P + L]
+    allowed = torch.arange(P + L)[None, :] <= torch.arange(L)[:, None] + P  # [L, P + L]
+    scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)  # [B, nh, L, Dv]
+
+
+@triton.jit
+def prefix_attention_kernel(
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, L, P, qk_scale,
+    stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
+    stride_pkh, stride_pkl, stride_pvh, stride_pvl, stride_ob, stride_oh, stride_ol,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Queries pid_m * BLOCK_M.. of row rows[g], head h (program 1 = g * HEADS + h); qk_scale: scale * log2(e)."""
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1) // HEADS
+    h = tl.program_id(1) % HEADS
+    b = tl.load(rows_ptr + g).to(tl.int64)
+    kvh = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] the row's own positions
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_ql + offs_d[None, :],
+                mask=(offs_m < L)[:, None] & (offs_d < D)[None, :], other=0.0)  # [BM, BD]
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of the scaled scores (log2 units)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)  # [BM, BDV]
+    # the prefix: every key visible to every query
+    for n0 in range(0, P, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        keep = offs_n < P
+        kt = tl.load(pk_ptr + kvh * stride_pkh + offs_n[None, :] * stride_pkl + offs_d[:, None],
+                     mask=keep[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, BN]
+        vv = tl.load(pv_ptr + kvh * stride_pvh + offs_n[:, None] * stride_pvl + offs_dv[None, :],
+                     mask=keep[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
+        s = tl.where(keep[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    # the row's own keys, causally: key j is seen by queries i >= j
+    for n0 in range(0, tl.minimum(L, (pid_m + 1) * BLOCK_M), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        keep = offs_n < L
+        kt = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + offs_n[None, :] * stride_kl + offs_d[:, None],
+                     mask=keep[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, BN]
+        vv = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vl + offs_dv[None, :],
+                     mask=keep[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
+        s = tl.where(keep[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ol + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_m < L)[:, None] & (offs_dv < DV)[None, :])
+
+
+def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=None, tiles: dict | None = None) -> None:
+    """out[rows] = the attention of q[rows] over the prefix (prefix_k / prefix_v, None: no prefix) and each row's own
+    k[rows] / v[rows], causally (shapes in the module notes; rows: an int tensor on q's device)."""
+    B, nh, L, D = q.shape
+    nkv, DV = k.shape[1], v.shape[-1]
+    if nh % nkv:
+        raise ValueError(f"prefix_attention: {nh} query heads are not a multiple of {nkv} key/value heads")
+    tiles = {**PREFIX_ATTENTION_TILES, **(tiles or {})}
+    BLOCK_M, BLOCK_N = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    if out.stride(-1) != 1:
+        raise ValueError("prefix_attention: out's head dim must be contiguous")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if prefix_k is not None:
+        prefix_k, prefix_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (prefix_k, prefix_v))
+    P = 0 if prefix_k is None else prefix_k.shape[1]
+    pk = k if prefix_k is None else prefix_k  # not read when P == 0
+    pv = v if prefix_v is None else prefix_v
+    pk_strides = (0, 0) if prefix_k is None else (prefix_k.stride(0), prefix_k.stride(1))
+    pv_strides = (0, 0) if prefix_v is None else (prefix_v.stride(0), prefix_v.stride(1))
+    grid = (triton.cdiv(L, BLOCK_M), rows.numel() * nh)
+    prefix_attention_kernel[grid](
+        q, k, v, pk, pv, out, rows, L, P, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), *pk_strides, *pv_strides, out.stride(0), out.stride(1), out.stride(2),
+        HEADS=nh, GROUP=nh // nkv, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
