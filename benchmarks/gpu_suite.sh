@@ -6,9 +6,9 @@
 # moe_layer.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py.
-# The tests run in GPU_TEST_WORKERS (4) pytest-xdist processes on one GPU: most of a serial run's 463 s (H200,
-# 7d35a35) was Triton compiling one kernel variant after another on one CPU core, which processes do side by side
-# (BENCHMARKS.md has the suite's time with them); 1 runs them in one process.
+# The tests run in GPU_TEST_WORKERS (4) pytest-xdist processes on one GPU: a serial run spends most of its time
+# compiling Triton kernels one after another on one CPU core, which processes do side by side (H200: 463 s serially
+# at 7d35a35, 139 s in 4 processes at 0fceba8; BENCHMARKS.md); 1 runs them in one process.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 RES=$OUT/gpu_suite
