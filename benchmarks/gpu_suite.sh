@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything a GPU session starts with, in one call: the GPU tests and the mixed-batch check (issue #23: tiny models
-# RUNS times (2), then real attention and expert widths once), then the MoE layer benchmark. With two or more GPUs
-# the tests run on GPU 0 while GPU 1 runs the checks and the layer benchmark, and the tests that need two GPUs run
-# last on both. Results: $OUT/gpu_suite.tgz (env.txt, gpu_tests.log with the 25 slowest tests, check_*.log/.csv,
-# moe_layer.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
+# RUNS times (2), then real attention and expert widths once, then the batch-invariant mode's), then the MoE layer
+# benchmark and the batch-invariant mode's cost (lora-eval bench --also-invariant, 48 layers, 4 x 1024). With two or
+# more GPUs the tests run on GPU 0 while GPU 1 runs the checks and the benchmarks, and the tests that need two GPUs
+# run last on both. Results: $OUT/gpu_suite.tgz (env.txt, gpu_tests.log with the 25 slowest tests, check_*.log/.csv,
+# moe_layer.*, bench_invariant.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py.
 # The tests run in GPU_TEST_WORKERS (4) pytest-xdist processes on one GPU: a serial run spends most of its time
@@ -30,8 +31,15 @@ check_and_layer() {
   python3 benchmarks/mixed_batch_check.py --dims wide --models 2 --batches 50 --modes eager,graphs \
     --out "$RES/check_wide.csv" ${CHECK_ARGS:-} > "$RES/check_wide.log" 2>&1; echo "exit $?" >> "$RES/check_wide.log"
   tail -n 2 "$RES/check_wide.log"
+  python3 benchmarks/mixed_batch_check.py --batch-invariant --models 6 --batches 100 --modes eager,graphs \
+    --out "$RES/check_invariant.csv" ${CHECK_ARGS:-} > "$RES/check_invariant.log" 2>&1
+  echo "exit $?" >> "$RES/check_invariant.log"; tail -n 2 "$RES/check_invariant.log"
   python3 benchmarks/moe_layer.py --out "$RES/moe_layer.csv" ${MOE_BENCH_ARGS:-} > "$RES/moe_layer.log" 2>&1
   tail -n 16 "$RES/moe_layer.log"
+  # the batch-invariant mode's cost beside the default, one process (issue #23 item 2)
+  lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --adapters 1 --batch 4x1024 --repeat 7 \
+    --also-invariant --quiet --out "$RES/bench_invariant.csv" > "$RES/bench_invariant.log" 2>&1
+  tail -n 12 "$RES/bench_invariant.log"
 }
 
 if [ "$GPUS" -ge 2 ]; then

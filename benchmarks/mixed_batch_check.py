@@ -6,14 +6,17 @@ batches (2-10 rows of 1-40 tokens, each row an adapter of the set or none, in ra
 eagerly and by CUDA-graph replay, per adapter set (which ops' LoRA variants are involved: PEFT all-linear with
 the router, per-expert Tinker layout, heads only): counts the batches with a no-adapter row that differs, and names
 the first (layer, point) where one differs (eager). --switches also runs each MoE launch setting switched off (to
-localise a defect), handing the engine that table through Forward.moe_configs. Exit status 1 when any row differs.
-Prints one line per case and writes a CSV.
+localise a defect), handing the engine that table through Forward.moe_configs. --batch-invariant checks the
+stronger property of that mode (issue #23 item 2): every row, adapter or none, bit-equal to the same row run alone
+(the random batches shuffle, split and pad it). Exit status 1 when any row differs. Prints one line per case and
+writes a CSV.
 
 The cause it found (BENCHMARKS.md "Mixed-batch check"): the router's LoRA expand ran inside the top-k kernel, whose
 softmax then summed in the dot's layout; rows without an adapter got routing weights a last bit apart.
 
     python benchmarks/mixed_batch_check.py --models 6 --batches 100 --modes eager,graphs --out check.csv
     python benchmarks/mixed_batch_check.py --dims wide --models 2 --batches 50   (real attention and expert widths)
+    python benchmarks/mixed_batch_check.py --batch-invariant --models 6 --batches 100
 """
 
 from __future__ import annotations
@@ -97,7 +100,10 @@ def main():
     parser.add_argument("--out", default="mixed_batch_check.csv")
     parser.add_argument("--dims", default="tiny", choices=sorted(DIMS), help="the models' widths (see DIMS)")
     parser.add_argument("--device", default="cuda", help="cpu: the torch backend (a check of this script only)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engines in the batch-invariant mode; every row against itself run alone")
     args = parser.parse_args()
+    invariant = args.batch_invariant
     seeds = list(KNOWN_FAILURES)[:args.models] + [random.SystemRandom().randrange(2**31)
                                                    for _ in range(args.models - len(KNOWN_FAILURES))]
     cases = [(a, None) for a in ADAPTER_SETS] + ([("all", "all")] + [("all", s) for s in SWITCHES]
@@ -116,7 +122,7 @@ def main():
                     Forward.moe_configs = configs_without(switch)  # every forward of both engines (graphs too)
                     names = ADAPTER_SETS.get(adapter_set, ())
                     engine = Engine(model, [load_adapter(adapter_dirs[n], n, model) for n in names],
-                                    cuda_graphs=graphs)
+                                    cuda_graphs=graphs, batch_invariant=invariant)
                     plain = Engine(model, [], cuda_graphs=graphs)  # the same settings, no adapters
                     bad_batches, bad_rows, max_diff, t0, where = 0, 0, 0.0, time.perf_counter(), "-"
                     for seed in batch_seeds:
@@ -125,15 +131,20 @@ def main():
                         seqs = random_sequences(n, VOCAB, seed=seed, max_len=40)
                         tags = random_tags(rng, n, names)
                         mixed = engine.logprobs(Batch(seqs, tags))
-                        alone = plain.logprobs(Batch(seqs, [None] * n))
-                        diffs = [(a - b).abs().max().item() for t, a, b in zip(tags, mixed, alone) if t is None]
+                        if invariant:  # every row against itself alone
+                            alone = [engine.logprobs(Batch([s], [t]))[0] for s, t in zip(seqs, tags)]
+                        else:
+                            alone = plain.logprobs(Batch(seqs, [None] * n))
+                        diffs = [(a - b).abs().max().item() for t, a, b in zip(tags, mixed, alone)
+                                 if t is None or invariant]
                         bad = sum(d > 0 for d in diffs)
-                        if bad and where == "-" and not graphs:
+                        if bad and where == "-" and not graphs and not invariant:
                             where = first_difference(engine, plain, seqs, tags)
                         bad_batches += bad > 0
                         bad_rows += bad
                         max_diff = max(max_diff, *diffs)
-                    row = dict(session_seed=session_seed, dims=args.dims, mode=mode, adapters=adapter_set,
+                    row = dict(session_seed=session_seed, dims=args.dims, mode=mode, invariant=invariant,
+                               adapters=adapter_set,
                                switched_off=switch or "-",
                                batches=len(batch_seeds), bad_batches=bad_batches, bad_rows=bad_rows,
                                max_abs_diff=max_diff, first_difference=where,
@@ -150,7 +161,7 @@ def main():
     checked = int(frame.loc[frame["switched_off"] == "-", "batches"].sum())
     failed = int(frame.loc[frame["switched_off"] == "-", "bad_batches"].sum())
     print(f"{checked} batches checked (models x batches x adapter sets x modes, base-vs-base included), "
-          f"{failed} with a differing no-adapter row")
+          f"{failed} with a differing {'row' if invariant else 'no-adapter row'}")
     raise SystemExit(1 if failed else 0)
 
 

@@ -215,9 +215,10 @@ def dense_lora_expand(y: torch.Tensor, shrunk: torch.Tensor, B: torch.Tensor, me
 
 
 def dense_lora(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoraMeta, *,
-               slot_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton counterpart of `dense_lora_ref`: y[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T, in place."""
-    shrunk = dense_lora_shrink(x, A, meta, slot_mask=slot_mask)
+               slot_mask: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """The Triton counterpart of `dense_lora_ref`: y[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T, in place
+    (`splits`: the shrink's, as dense_lora_shrink's)."""
+    shrunk = dense_lora_shrink(x, A, meta, slot_mask=slot_mask, splits=splits)
     return dense_lora_expand(y, shrunk, B, meta, slot_mask=slot_mask)
 
 

@@ -6,7 +6,10 @@ copied per row nor masked through a [queries, keys] tensor, as the plain torch f
 Shapes: q [B, nh, L, D], k [B, nkv, L, D], v [B, nkv, L, Dv] (any strides; nh a multiple of
 nkv: query head h reads kv head h // (nh // nkv)); the prefix's pk [nkv, P, D], pv [nkv, P, Dv]; rows [G] the batch
 rows of the group; out [B, nh, L, Dv] (head dim contiguous), written at those rows. Query i of a row sits at position P + i and sees the
-P prefix keys and its own keys 0..i. Right padding after a row's length only ever meets queries of the padding.
+P prefix keys and its own keys 0..i; with a `window` only the last `window` of those (GPT-OSS's sliding layers; the
+window counts the prefix's keys too), and with `sinks` [nh] a learned logit per head joins every softmax denominator
+(GPT-OSS). Right padding after a row's length only ever meets queries of the padding. Fixed tiles and one program per
+row and head: a row's result does not depend on the other rows or the padding (the batch-invariant mode's attention).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import triton.language as tl
 from .tiles import PREFIX_ATTENTION_TILES
 
 
-def prefix_attention_ref(q, k, v, scale: float, prefix_k=None, prefix_v=None) -> torch.Tensor:
+def prefix_attention_ref(q, k, v, scale: float, prefix_k=None, prefix_v=None, sinks=None,
+                         window: int | None = None) -> torch.Tensor:
     """Plain torch: the prefix's keys and values in front of each row's, then attention under the causal mask
-    offset by the prefix length, in float32. Same shapes as the kernel, all rows."""
+    offset by the prefix length (and the window; sinks as an extra softmax column dropped after), in float32. Same
+    shapes as the kernel, all rows."""
     B, nh, L, _ = q.shape
     group = nh // k.shape[1]
     if prefix_k is not None:
@@ -30,20 +35,29 @@ def prefix_attention_ref(q, k, v, scale: float, prefix_k=None, prefix_v=None) ->
     k = k.float().repeat_interleave(group, dim=1)  # [B, nh, P + L, D]
     v = v.float().repeat_interleave(group, dim=1)  # [B, nh, P + L, Dv]
     scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale  # [B, nh, L, P + L]
-    allowed = torch.arange(P + L)[None, :] <= torch.arange(L)[:, None] + P  # [L, P + L]
+    keys, queries = torch.arange(P + L)[None, :], torch.arange(L)[:, None] + P  # absolute positions
+    allowed = keys <= queries  # [L, P + L]
+    if window is not None:
+        allowed &= keys > queries - window
     scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(q.dtype)  # [B, nh, L, Dv]
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, nh, 1, 1).expand(B, nh, L, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :P + L]  # [B, nh, L, P + L]
+    return torch.matmul(probs, v).to(q.dtype)  # [B, nh, L, Dv]
 
 
 @triton.jit
 def prefix_attention_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, L, P, qk_scale,
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, sinks_ptr, L, P, WINDOW, qk_scale,
     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
     stride_pkh, stride_pkl, stride_pvh, stride_pvl, stride_ob, stride_oh, stride_ol,
     HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Queries pid_m * BLOCK_M.. of row rows[g], head h (program 1 = g * HEADS + h); qk_scale: scale * log2(e)."""
+    """Queries pid_m * BLOCK_M.. of row rows[g], head h (program 1 = g * HEADS + h); qk_scale: scale * log2(e).
+    A key block wholly outside a query's window leaves that query's running max at -inf: the updates then subtract
+    0 instead (m_safe), so that nothing becomes NaN."""
     pid_m = tl.program_id(0)
     g = tl.program_id(1) // HEADS
     h = tl.program_id(1) % HEADS
@@ -66,10 +80,14 @@ def prefix_attention_kernel(
         vv = tl.load(pv_ptr + kvh * stride_pvh + offs_n[:, None] * stride_pvl + offs_dv[None, :],
                      mask=keep[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
-        s = tl.where(keep[None, :], s, float("-inf"))
+        seen = keep[None, :]
+        if HAS_WINDOW:  # key position n > query position P + i - WINDOW
+            seen = seen & (offs_n[None, :] > offs_m[:, None] + P - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -82,21 +100,33 @@ def prefix_attention_kernel(
         vv = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vl + offs_dv[None, :],
                      mask=keep[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
-        s = tl.where(keep[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
+        seen = keep[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            seen = seen & (offs_n[None, :] > offs_m[:, None] - WINDOW)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
+    if HAS_SINKS:  # the head's sink logit joins the denominator (in log2 units, as the scores)
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding queries past a window (not stored)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ol + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(offs_m < L)[:, None] & (offs_dv < DV)[None, :])
 
 
-def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=None, tiles: dict | None = None) -> None:
+def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=None, sinks=None,
+                     window: int | None = None, tiles: dict | None = None) -> None:
     """out[rows] = the attention of q[rows] over the prefix (prefix_k / prefix_v, None: no prefix) and each row's own
-    k[rows] / v[rows], causally (shapes in the module notes; rows: an int tensor on q's device)."""
+    k[rows] / v[rows], causally, within `window` if given, `sinks` [nh] in the denominators if given (shapes in the
+    module notes; rows: an int tensor on q's device)."""
     B, nh, L, D = q.shape
     nkv, DV = k.shape[1], v.shape[-1]
     if nh % nkv:
@@ -115,10 +145,10 @@ def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=N
     pv_strides = (0, 0) if prefix_v is None else (prefix_v.stride(0), prefix_v.stride(1))
     grid = (triton.cdiv(L, BLOCK_M), rows.numel() * nh)
     prefix_attention_kernel[grid](
-        q, k, v, pk, pv, out, rows, L, P, scale * 1.4426950408889634,
+        q, k, v, pk, pv, out, rows, q if sinks is None else sinks, L, P, window or 0, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
         v.stride(2), *pk_strides, *pv_strides, out.stride(0), out.stride(1), out.stride(2),
         HEADS=nh, GROUP=nh // nkv, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
+        HAS_WINDOW=window is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

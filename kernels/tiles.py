@@ -127,6 +127,21 @@ RESIDUAL_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 # Qwen3-30B-A3B (benchmarks/tiles.py dense --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
 TOKENS_PER_PROGRAM = 32
 
+# ------------------------------------------------------------- batch-invariant mode (--batch-invariant, issue #23)
+
+# Every launch setting that otherwise follows the batch's size is fixed, so that a row's result does not depend on
+# the rows around it or the padding (lora_eval/forward.py `invariant`). Not measured yet: each is the default mode's
+# setting for large batches, the cost of the mode on the GPU is still to be measured (issue #23 item 2).
+# The fused MoE: MOE_CONFIGS' 128-row blocks without the data-dependent choices — a half-height tile for an expert's
+# half-empty last block (half_tail) and the side-by-side shrink of a block's slots (all_slots_max 0: one pass per slot,
+# the same dot for a row whatever slots share its block) — and without the Gluon GEMMs of the largest batches.
+INVARIANT_MOE = MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True,
+                          expand_first=True, shrink=_SHRINK_128, all_slots_max=0)
+INVARIANT_SHRINK_SPLITS = 4  # the dense LoRA shrink's partial sums over `in` (else shrink_splits, by batch size)
+INVARIANT_VOCAB_SPLITS = 8  # the fused logprobs' vocabulary splits (else logprobs.split_vocab, by rows)
+# The dense projections' GEMM (matmul.py) in place of cuBLAS, whose kernel choice follows the batch's size.
+MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
 # --------------------------------------------------------------------- prefixed attention (prefix_attention.py)
 
 # queries x keys per step, grid (cdiv(L, BLOCK_M), rows x heads). H200, bf16, one MMLU-like group (200 rows x 110

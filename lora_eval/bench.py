@@ -313,10 +313,13 @@ def free_memory(device: torch.device) -> None:
 def bench(config_path: str | Path, *, layers: int | None = None, adapters: int = 4, rank: int = 16,
           targets: str = "all", batches: tuple[str, ...] = ("4x1024",), dtype: str = "bfloat16",
           device: str = "cuda", repeat: int = 5, warmup: int = 2, skip_hf: bool = False, also_eager: bool = False,
-          backend: str | None = None, seed: int = 0, quiet: bool = False) -> pd.DataFrame:
+          also_invariant: bool = False, backend: str | None = None, seed: int = 0,
+          quiet: bool = False) -> pd.DataFrame:
     """One row per (system, batch, case): ms_per_batch, tokens_per_s, tflops, peak_mem_gb, ratios and the
     logprob difference to transformers + PEFT. Systems: `ours`, `hf` (unless `skip_hf`), `ours-eager` (with
-    `also_eager`: our engine with CUDA graphs off)."""
+    `also_eager`: our engine with CUDA graphs off), `ours-invariant` (with `also_invariant`: our engine in its
+    batch-invariant mode, EngineOptions.batch_invariant; its cost_vs_base is over its own base, and the cost of the
+    mode is its ms_per_batch over ours')."""
     if dtype not in DTYPES:
         raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
     if targets not in TARGETS:
@@ -342,7 +345,8 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
     generator = torch.Generator().manual_seed(seed)
     token_rows = {f"{r}x{n}": torch.randint(0, config["vocab_size"], (r, n), generator=generator).tolist()
                   for r, n in shapes}
-    systems = ["ours"] + (["ours-eager"] if also_eager else []) + ([] if skip_hf else ["hf"])
+    systems = (["ours"] + (["ours-eager"] if also_eager else []) + (["ours-invariant"] if also_invariant else [])
+               + ([] if skip_hf else ["hf"]))
     results: dict[tuple[str, str, str], Timing] = {}
     passes: dict[tuple[str, str], int] = {}
     bar = progress(len(plan) * len(systems), "bench", "case", quiet)
@@ -380,15 +384,16 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
         # 3. our engine: the base cases warmed up first (their peak memory without adapters), then the adapters
         # read back from PEFT's files; per system its other cases warmed up, then all its cases timed interleaved
         ours_systems = [s for s in systems if s != "hf"]
-        base_engines = {system: Engine(ours_model, [], backend=backend, cuda_graphs=system == "ours")
-                        for system in ours_systems}
+        settings = {system: dict(backend=backend, cuda_graphs=system != "ours-eager",
+                                 batch_invariant=system == "ours-invariant") for system in ours_systems}
+        base_engines = {system: Engine(ours_model, [], **settings[system]) for system in ours_systems}
         base_calls = {(system, batch, case): (lambda engine=base_engines[system], rows=token_rows[batch]:
                                               torch.stack(engine.logprobs(Batch(rows, [None] * len(rows)))))
                       for system in ours_systems for batch, case, _ in plan if case == "base"}
         timings = warm_up(base_calls, dev, warmup)
         loaded = [load_adapter(Path(tmp) / name, name, ours_model) for name in names]
         for system in ours_systems:
-            engine = Engine(ours_model, loaded, backend=backend, cuda_graphs=system == "ours")
+            engine = Engine(ours_model, loaded, **settings[system])
             calls = {(system, batch, case): (lambda rows=token_rows[batch], tags=tags:
                                              torch.stack(engine.logprobs(Batch(rows, tags))))
                      for batch, case, tags in plan if case != "base"}

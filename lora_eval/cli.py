@@ -119,6 +119,14 @@ def graph_options(command):
                         help="Run every batch eagerly on the GPU (the CPU never uses graphs).")(command)
 
 
+def invariant_option(command):
+    """--batch-invariant: for commands that run the engine (EngineOptions.batch_invariant)."""
+    return click.option("--batch-invariant", is_flag=True,
+                        help="A row's logprobs bitwise the same whatever else is in its batch, where it sits and "
+                        "however much padding there is (GPU: fixed tiles, no cuBLAS; the CPU is so already). "
+                        "Results then do not depend on --batch-tokens or the number of data-parallel ranks.")(command)
+
+
 def prefix_option(command):
     """--no-prefix-cache: for commands whose rows share leading tokens (lora_eval/prefixes.py)."""
     return click.option("--no-prefix-cache", is_flag=True,
@@ -142,10 +150,11 @@ def run_options(command):
 
 
 def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_buckets=32, max_graph_memory=None,
-                   expert_parallel=False) -> EngineOptions:
+                   expert_parallel=False, batch_invariant=False) -> EngineOptions:
     memory = None if max_graph_memory is None else int(max_graph_memory * 2**30)
     return EngineOptions(device=device, dtype=dtype, gate_up_layout=gate_up_layout, cuda_graphs=not no_cuda_graphs,
-                         graph_buckets=graph_buckets, max_graph_memory=memory, expert_parallel=expert_parallel)
+                         graph_buckets=graph_buckets, max_graph_memory=memory, expert_parallel=expert_parallel,
+                         batch_invariant=batch_invariant)
 
 
 class Main(click.Group):
@@ -256,17 +265,18 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
               help="Also write JUnit XML here: one testcase per adapter x threshold or gate.")
 @device_options
 @graph_options
+@invariant_option
 @prefix_option
 @run_options
 def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
                 no_adapter_check, junit_path, device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets,
-                max_graph_memory, expert_parallel, no_prefix_cache, overwrite, quiet):
+                max_graph_memory, expert_parallel, batch_invariant, no_prefix_cache, overwrite, quiet):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed or a gate fails (an
     adapter that changes nothing). A run into a folder that holds this very run prints its summary; a killed run
     resumes where it stopped."""
     check_out(junit_path, "--junit", single_file=True)
     options = replace(engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
-                                     expert_parallel), prefix_cache=not no_prefix_cache)
+                                     expert_parallel, batch_invariant), prefix_cache=not no_prefix_cache)
     result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                      options=options, batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
                      max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
@@ -293,15 +303,16 @@ def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_
               help="Also write JUnit XML here: one testcase per adapter for --max-drop.")
 @device_options
 @graph_options
+@invariant_option
 @prefix_option
 @run_options
 def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
              device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, expert_parallel,
-             no_prefix_cache, overwrite, quiet):
+             batch_invariant, no_prefix_cache, overwrite, quiet):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
     check_out(junit_path, "--junit", single_file=True)
     options = replace(engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
-                                     expert_parallel), prefix_cache=not no_prefix_cache)
+                                     expert_parallel, batch_invariant), prefix_cache=not no_prefix_cache)
     result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
                   subjects=subjects, limit=limit, max_drop=max_drop, options=options, batch_tokens=batch_tokens,
                   quiet=quiet, overwrite=overwrite, notice=notice)
@@ -376,18 +387,20 @@ def plan_cmd(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
 @click.option("--warmup", default=2, type=click.IntRange(min=0), show_default=True)
 @click.option("--skip-hf", is_flag=True, help="Time our engine only.")
 @click.option("--also-eager", is_flag=True, help="Also time our engine with CUDA graphs off (system ours-eager).")
+@click.option("--also-invariant", is_flag=True,
+              help="Also time our engine in its batch-invariant mode (system ours-invariant; see --batch-invariant).")
 @click.option("--seed", default=0, type=int, show_default=True)
 @click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the table as CSV.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, device, repeat, warmup, skip_hf,
-              also_eager, seed, out_path, quiet):
+              also_eager, also_invariant, seed, out_path, quiet):
     """Our engine against transformers + PEFT on a random-weight model of a config's real shape."""
     check_out(out_path, "--out", single_file=True)
     options = EngineOptions(device=device, dtype=dtype).resolved()
     try:
         frame = bench(config_path, layers=layers, adapters=adapters, rank=rank, targets=targets, batches=batches,
                       dtype=options.dtype, device=options.device, repeat=repeat, warmup=warmup, skip_hf=skip_hf,
-                      also_eager=also_eager, seed=seed, quiet=quiet)
+                      also_eager=also_eager, also_invariant=also_invariant, seed=seed, quiet=quiet)
     except torch.OutOfMemoryError as e:
         click.echo(f"error: out of device memory building the model or adapters ({str(e).splitlines()[0][:120]}); "
                    "try fewer --layers or --adapters", err=True)
@@ -429,15 +442,17 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 @click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per batch of the pass that picks the samples.")
 @device_options
+@invariant_option
 @run_options
 def diagnose_cmd(model_dir, adapters, references, out, samples, against_model, against_dtype, layer_by_layer,
-                 batch_tokens, device, dtype, gate_up_layout, overwrite, quiet):
+                 batch_tokens, device, dtype, gate_up_layout, batch_invariant, overwrite, quiet):
     """Where the engine parts from a reference computation, layer by layer: per layer the error of attention, router
     (and its top-k flips), routed experts and residual stream on the samples with the largest k2, each adapter's
     effect per module, and the first divergent layer per adapter (layers.csv, modules.csv, diagnose.json,
     diagnose.md, diagnose.html)."""
     result = diagnose(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
-                      options=engine_options(device, dtype, gate_up_layout), samples=samples,
+                      options=engine_options(device, dtype, gate_up_layout, batch_invariant=batch_invariant),
+                      samples=samples,
                       against_model=against_model, against_dtype=against_dtype, layer_by_layer=layer_by_layer,
                       batch_tokens=batch_tokens, quiet=quiet, overwrite=overwrite, notice=notice)
     if speaks():

@@ -175,7 +175,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             timings = phases.timings()
             run = folder.run_record(
                 arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
-                                                   ranks=ranks.world if ranks else 1),
+                                                   ranks=ranks.world if ranks else 1,
+                                                   batch_invariant=options.batch_invariant),
                 timings=timings, work=work.stats(), batches=len(batches), padding_waste=padding_waste(suffix, batches),
                 tokens_computed=tokens_computed, tokens_full_prompts=sum(lengths[i] for b in units for i in b),
                 prefix_cache=dict(enabled=use_prefixes, min_shared_tokens=MIN_SHARED_TOKENS,

@@ -182,6 +182,7 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
                     adapters={tag: _adapter_record(tag, layers, units, refs, chosen, tags, measured, floor)
                               for tag in order})
             run = folder.run_record(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
+                                                                       batch_invariant=options.batch_invariant,
                                                                        against_dtype=against_dtype, measured=measured),
                                     timings=phases.timings(), work=work.stats(), samples=len(chosen),
                                     quantization=quantization)
@@ -277,11 +278,13 @@ class _Sides:
             torch.cuda.empty_cache()
 
 
-def _row_forward(backend: str, stack, names: list[str], adapter: str | None, n: int, device, probe) -> Forward:
-    """The Forward of one row of n positions under `adapter` (None, or one the side does not hold: base), probed."""
+def _row_forward(backend: str, stack, names: list[str], adapter: str | None, n: int, device, probe,
+                 invariant: bool = False) -> Forward:
+    """The Forward of one row of n positions under `adapter` (None, or one the side does not hold: base), probed
+    (`invariant`: the engine's batch-invariant mode, Forward's)."""
     slot = names.index(adapter) if stack is not None and adapter in names else -1
     slots = torch.full((n,), slot, dtype=torch.long, device=device) if slot >= 0 else None
-    fwd = Forward(backend, [n], stack if slot >= 0 else None, slots)
+    fwd = Forward(backend, [n], stack if slot >= 0 else None, slots, invariant=invariant)
     fwd.probe = probe
     return fwd
 
@@ -289,7 +292,8 @@ def _row_forward(backend: str, stack, names: list[str], adapter: str | None, n: 
 def _run_engine(engine: Engine, ids: list[int], adapter: str | None, probe) -> None:
     """One row through an engine's model with `probe` on its intermediates (a probe may stop it with _Stop)."""
     device = engine.model.inv_freq.device
-    fwd = _row_forward(engine.backend, engine.stack, engine.adapter_names, adapter, len(ids), device, probe)
+    fwd = _row_forward(engine.backend, engine.stack, engine.adapter_names, adapter, len(ids), device, probe,
+                       engine.batch_invariant)
     try:
         with torch.inference_mode():
             engine.model(torch.tensor([ids], device=device), fwd)

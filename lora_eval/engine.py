@@ -23,6 +23,7 @@ from .distributed import Ranks
 from .errors import InputError
 from .expert_parallel import ExpertParallel
 from .forward import BACKENDS, Forward
+from .kernels.tiles import INVARIANT_VOCAB_SPLITS
 from .models import load_model
 from .prefixes import PREFIX_CACHE_BYTES, PrefixCache, PrefixKV
 from .runners.graphs import BucketPlan
@@ -44,7 +45,9 @@ class EngineOptions:
     prefix_cache: tasks (compare, mmlu) name rows' shared leading tokens so that the engine computes them once per
     (prefix, adapter) (prefixes.py); off: every row runs its whole prompt. prefix_cache_memory: bytes of computed
     prefixes (keys, values, logprobs) the engine keeps at most, least recently used evicted first. Neither is in
-    `record()`: the tasks put what they used into their fingerprints."""
+    `record()`: the tasks put what they used into their fingerprints. batch_invariant: on the Triton path, a row's
+    logprobs are bitwise the same whatever else is in its batch, where it sits and however much padding there is
+    (Forward's `invariant`); the torch path is so already. Not with expert_parallel."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -56,6 +59,7 @@ class EngineOptions:
     expert_parallel: bool = False
     prefix_cache: bool = True
     prefix_cache_memory: int = PREFIX_CACHE_BYTES
+    batch_invariant: bool = False
 
     def resolved(self) -> "EngineOptions":
         """The same options with "auto" replaced by what this machine gives; InputError on a bad value."""
@@ -72,6 +76,9 @@ class EngineOptions:
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         if dtype not in DTYPES:
             raise InputError("--dtype", f"'{dtype}' is not one of auto, {', '.join(DTYPES)}")
+        if self.batch_invariant and self.expert_parallel:
+            raise InputError("--batch-invariant", "is not supported with --expert-parallel (the experts' sums are "
+                             "combined across ranks in an order that follows the batch)")
         if self.expert_parallel and int(os.environ.get("WORLD_SIZE", "1")) < 2:
             raise InputError("--expert-parallel", "spreads the experts over the processes of a torchrun job: run it "
                              "under torchrun with 2 or more processes")
@@ -87,7 +94,7 @@ class EngineOptions:
         return dict(device=device, device_name=name, dtype=self.dtype,
                     backend=self.backend or ("triton" if device == "cuda" else "torch"),
                     gate_up_layout=self.gate_up_layout, cuda_graphs=graphs, expert_parallel=self.expert_parallel,
-                    threads=torch.get_num_threads() if device == "cpu" else None)
+                    batch_invariant=self.batch_invariant, threads=torch.get_num_threads() if device == "cpu" else None)
 
 
 def read_adapters(model_dir: str | Path, adapters: dict[str, str | Path] | None,
@@ -126,7 +133,7 @@ class Engine:
 
     def __init__(self, model, adapters=(), backend: str | None = None, logits_budget: int = LOGITS_BUDGET,
                  cuda_graphs: bool = True, graph_plan: BucketPlan | None = None, expert_parallel=None,
-                 prefix_cache_memory: int = PREFIX_CACHE_BYTES):
+                 prefix_cache_memory: int = PREFIX_CACHE_BYTES, batch_invariant: bool = False):
         self.model = model
         self.prefix_cache = PrefixCache(prefix_cache_memory)  # computed prefixes (Batch.prefixes)
         self.tokens_computed = 0  # token positions run through the model (no padding), prefixes included
@@ -138,6 +145,7 @@ class Engine:
         if self.backend not in BACKENDS:
             raise InputError("--backend", f"'{self.backend}' is not one of {', '.join(BACKENDS)}")
         self.logits_budget = logits_budget
+        self.batch_invariant = batch_invariant  # EngineOptions.batch_invariant
         self.graphs = None  # CUDA graphs: the Triton path on a GPU only (the torch path is the oracle)
         if cuda_graphs and device.type == "cuda" and self.backend == "triton" and expert_parallel is None:
             from .runners.graphs import GraphRunner
@@ -160,7 +168,8 @@ class Engine:
         model = load_model(model_dir, dtype=DTYPES[options.dtype], device=options.device, experts=spread)
         plan = BucketPlan(max_buckets=options.graph_buckets, max_memory=options.max_graph_memory)
         return cls(model, adapters, backend=options.backend, cuda_graphs=options.cuda_graphs, graph_plan=plan,
-                   expert_parallel=spread, prefix_cache_memory=options.prefix_cache_memory)
+                   expert_parallel=spread, prefix_cache_memory=options.prefix_cache_memory,
+                   batch_invariant=options.batch_invariant)
 
     def stand_in(self) -> None:
         """A two-token batch whose result nobody reads: under expert parallel, this rank's part in a step where it
@@ -237,7 +246,8 @@ class Engine:
         if self.backend == "triton" and rows.numel():
             from .kernels.logprobs import token_logprobs
 
-            out = token_logprobs(hidden[rows_dev], head.weight, targets, head.bias)  # [N], no [N, V] tensor
+            out = token_logprobs(hidden[rows_dev], head.weight, targets, head.bias,  # [N], no [N, V] tensor
+                                 v_splits=INVARIANT_VOCAB_SPLITS if self.batch_invariant else None)
             # rows whose adapter changes lm_head: recomputed below; the others keep the fused result
             chosen = [j for j, r in enumerate(rows.tolist()) if slots[r // L] in head_slots]
         else:
@@ -302,7 +312,7 @@ class Engine:
         captured without prefixes or capture, which run eagerly)."""
         lengths = lengths or [ids.shape[1]] * ids.shape[0]
         fwd = Forward(self.backend, lengths, self.stack if lora else None, token_slots if lora else None,
-                      self.expert_parallel, prefixes=prefixes, capture=capture)
+                      self.expert_parallel, prefixes=prefixes, capture=capture, invariant=self.batch_invariant)
         return self.model(ids, fwd)
 
     def _forward(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
@@ -362,5 +372,5 @@ class _LazyForward:
             token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(self.L)  # [B'*L]
             device = e.model.inv_freq.device
             self._fwd = Forward(e.backend, self.lengths, e.stack if self.with_lora else None,
-                                token_slots.to(device) if self.with_lora else None)
+                                token_slots.to(device) if self.with_lora else None, invariant=e.batch_invariant)
         return self._fwd.subset(rows)

@@ -28,10 +28,12 @@ from .adapters.targets import layer_of
 from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
 from .kernels.fused_moe import fused_moe_ref
 from .kernels.linear import linear_ref
+from .kernels.matmul import matmul
 from .kernels.prefix_attention import prefix_attention
 from .kernels.rms_norm import rms_norm_ref
 from .kernels.rope import rope_ref
 from .kernels.router import router_topk, router_topk_ref
+from .kernels.tiles import INVARIANT_MOE, INVARIANT_SHRINK_SPLITS
 
 BACKENDS = ("torch", "triton")
 
@@ -43,14 +45,19 @@ class Forward:
     moe_configs = None
 
     def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None,
-                 expert_parallel=None, *, prefixes: list | None = None, capture: tuple[int, list] | None = None):
+                 expert_parallel=None, *, prefixes: list | None = None, capture: tuple[int, list] | None = None,
+                 invariant: bool = False):
         """`prefixes`: per row None or a cached prefix (lora_eval.prefixes.PrefixKV: its length and per attention
         layer the keys and values of its positions): the row holds only the suffix; its positions start at the
         prefix's length and each layer's attention sees the prefix's keys and values before the row's own.
         `capture` = (n, list): each attention layer appends (k [nkv, n, Dk], v [nkv, n, Dv]) of the first n
         positions of row 0 to the list (a prefix pass: one row). Layers are counted by their attention calls: every
         family calls `attention` exactly once per decoder layer, in layer order, so the i-th call of a forward is
-        layer i's (one counter per Forward, which serves one forward)."""
+        layer i's (one counter per Forward, which serves one forward).
+        `invariant` (the batch-invariant mode, Triton path): every launch setting that would follow the batch's size
+        is fixed (kernels/tiles.py), the dense projections run through kernels/matmul.py instead of cuBLAS and
+        attention through kernels/prefix_attention.py, so that a row's result does not depend on the other rows of
+        its batch, where it sits, or the padding. The torch path is batch-invariant as it is."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend, self.lengths = backend, lengths
@@ -60,6 +67,9 @@ class Forward:
         self._rows_by_prefix = None  # built by _prefix_groups
         self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
+        self.invariant = invariant and self.triton
+        self.gemm = (matmul if self.invariant else F.linear) if self.triton else linear_ref  # x W^T (+ b)
+        self.splits = INVARIANT_SHRINK_SPLITS if self.invariant else None  # dense LoRA shrinks' (None: by size)
         self.stack = stack if token_slots is not None else None
         self.token_slots = token_slots  # [T]
         if self.stack is None:
@@ -75,7 +85,7 @@ class Forward:
     def subset(self, rows: torch.Tensor) -> "Forward":
         """The same pass restricted to some token rows (lm_head chunks)."""
         slots = self.token_slots[rows] if self.stack is not None else None
-        return Forward(self.backend, self.lengths, self.stack, slots, self.expert_parallel)
+        return Forward(self.backend, self.lengths, self.stack, slots, self.expert_parallel, invariant=self.invariant)
 
     def positions(self, B: int, L: int, device) -> torch.Tensor:
         """Token positions [B, L] of a batch laid out at length L: 0..L-1, after a row's cached prefix when it has
@@ -126,7 +136,7 @@ class Forward:
         GEMM of a projection group, `linears`)."""
         if residual is not None and self.probe is not None and ".self_attn." in module.site:
             self.observe(module.site, "attention", self.linear(module, x, with_lora))  # [T, out], apart from the sum
-        base = F.linear if self.triton else linear_ref
+        base = self.gemm
         if y is None:
             y = base(x, module.weight, module.bias)  # [T, out]
         if self.stack is None:
@@ -141,9 +151,10 @@ class Forward:
                 from .kernels.dense_lora import dense_lora, dense_lora_shrink, lora_residual_add
 
                 if residual is not None:
-                    shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask)  # [splits, T, R]
+                    shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask,
+                                               splits=self.splits)  # [splits, T, R]
                     return lora_residual_add(residual, y, shrunk, lora.B, self.meta, slot_mask=lora.slot_mask)
-                dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)
+                dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask, splits=self.splits)
             else:
                 dense_lora_ref(y, x, lora.A, lora.B, self._groups(lora.slots))
         return y if residual is None else residual + y
@@ -153,7 +164,7 @@ class Forward:
         the logits of GLM-4.5's and DeepSeek-V3's routers (whatever the compute dtype), plus the rows' LoRA deltas
         (shrink and expand in the compute dtype, added in float32) and modules_to_save weights. Rows with no adapter
         get the base projection bit for bit; in a float32 run this is `linear` exactly."""
-        base = F.linear if self.triton else linear_ref
+        base = self.gemm
         xf = x.float()  # [T, in] (x itself when float32)
 
         def project(rows, weight, bias):
@@ -170,7 +181,8 @@ class Forward:
             if self.triton:
                 from .kernels.dense_lora import dense_lora
 
-                dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)  # float32 y, expand in place
+                dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask,
+                           splits=self.splits)  # float32 y, expand in place
             else:
                 for s, rows in self._groups(lora.slots):
                     y.index_add_(0, rows, linear_ref(linear_ref(x[rows], lora.A[s]), lora.B[s]).float())
@@ -194,7 +206,8 @@ class Forward:
         from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
         from .kernels.head_norm_rope import head_norm_rope
 
-        shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask)  # [splits, T, sum R]
+        shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask,
+                                   splits=self.splits)  # [splits, T, sum R]
         outs = []
         for module, norm, base in zip(modules, head_norms, bases):
             y = self.linear(module, x, with_lora=False, y=base)  # [T, out]
@@ -216,7 +229,7 @@ class Forward:
         group = getattr(modules[0], "group", None)
         if not self.triton or group is None or not group.serves(modules):
             return [None] * len(modules)
-        return list(F.linear(x, group.weight, group.bias).split(group.outs, dim=1))  # [T, out] each
+        return list(self.gemm(x, group.weight, group.bias).split(group.outs, dim=1))  # [T, out] each
 
     def _fused_head_norm(self, norm, rope) -> bool:
         """Whether head_norm_rope serves this norm: the Triton path and RoPE over the whole head."""
@@ -302,8 +315,9 @@ class Forward:
         if self.triton:
             from .kernels.fused_moe import fused_moe, pick_config
 
-            config = None if self.moe_configs is None else pick_config(
-                *topk_ids.shape, experts.down_proj.shape[0], x.dtype, self.moe_configs)
+            table = {None: INVARIANT_MOE} if self.invariant else self.moe_configs
+            config = None if table is None else pick_config(*topk_ids.shape, experts.down_proj.shape[0], x.dtype,
+                                                            table)
             return fused_moe(x, topk_ids, topk_weights, experts.gate_up_proj, experts.down_proj, lora,
                              self.token_slots, config, lora_meta=self.meta if lora is not None else None,
                              residual=residual, **variant)
@@ -342,6 +356,10 @@ class Forward:
                          v[0, :, :n].clone(memory_format=torch.contiguous_format)))
         if self.prefixes is not None:
             return self._prefixed_attention(layer, q, k, v, scale, sinks, window)
+        if self.invariant:  # one program per row and head, fixed tiles: no row sees the batch
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]
+            prefix_attention(q, k, v, out, self._all_rows(q.device), scale, sinks=sinks, window=window)
+            return out
         if sinks is not None or window is not None:
             if self.triton:  # plain torch over the padded batch until a fused kernel with sinks exists
                 return sink_attention(q, k, v, scale, sinks, window)
@@ -359,6 +377,12 @@ class Forward:
             out[b, :, :n] = F.scaled_dot_product_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
+
+    def _all_rows(self, device) -> torch.Tensor:
+        """[B] the batch's row indices on device (the batch-invariant attention's one group)."""
+        if self._rows_by_prefix is None:
+            self._rows_by_prefix = [(None, torch.arange(len(self.lengths), device=device))]
+        return self._rows_by_prefix[0][1]
 
     def _prefix_groups(self, device) -> list:
         """[(prefix or None, rows [G] on device)]: the batch's rows by cached prefix, built at the first layer."""
@@ -383,8 +407,8 @@ class Forward:
             out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: each row written by its group's launch
             for prefix, rows in self._prefix_groups(q.device):
                 pk, pv = (None, None) if prefix is None else (t.to(k.dtype) for t in prefix.kv[layer])
-                if sinks is None and window is None:
-                    prefix_attention(q, k, v, out, rows, scale, pk, pv)
+                if (sinks is None and window is None) or self.invariant:
+                    prefix_attention(q, k, v, out, rows, scale, pk, pv, sinks, window)
                     continue
                 qg, kg, vg = q[rows], k[rows], v[rows]  # [G, nh, L, D], [G, nkv, L, Dk], [G, nkv, L, Dv]
                 if prefix is not None:  # pk [nkv, P, Dk], pv [nkv, P, Dv]

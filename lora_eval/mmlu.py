@@ -189,7 +189,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             computed_s = max(timings["forward_s"], 1e-9)
             run = folder.run_record(
                 arguments=arguments, timings=timings,
-                resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1),
+                resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1,
+                              batch_invariant=options.batch_invariant),
                 work=work.stats(), questions=len(ids), rows=len(rows_ids), batches=len(batches),
                 padding_waste=padding_waste(suffix, batches),
                 tokens_computed=tokens_computed, tokens_full_prompts=int(sum(lengths)),

@@ -207,15 +207,17 @@ def test_bench_cli_writes_csv(tiny_config, tmp_path):
     out = tmp_path / "bench.csv"
     result = CliRunner().invoke(cli, ["bench", "--config", str(tiny_config), "--device", "cpu", "--dtype", "float32",
                                       "--batch", "2x6", "--batch", "1x5", "--adapters", "2", "--rank", "2",
-                                      "--repeat", "1", "--warmup", "0", "--skip-hf", "--quiet", "--out", str(out)])
+                                      "--repeat", "1", "--warmup", "0", "--skip-hf", "--quiet", "--out", str(out),
+                                      "--also-invariant"])
     assert_no_traceback(result)
     assert result.exit_code == 0, (result.stdout, result.stderr)
     frame = pd.read_csv(out)
-    # 2x6: base, lora-1, lora-2-mixed, no-lora-rows; 1x5: no mixed case with a single row
-    assert list(zip(frame["batch"], frame["case"])) == [
-        ("2x6", "base"), ("2x6", "lora-1"), ("2x6", "lora-2-mixed"), ("2x6", "no-lora-rows"),
-        ("1x5", "base"), ("1x5", "lora-1"), ("1x5", "no-lora-rows")]
-    assert (frame["system"] == "ours").all() and frame["vs_hf"].isna().all()
+    # 2x6: base, lora-1, lora-2-mixed, no-lora-rows; 1x5: no mixed case with a single row; per system
+    cases = [("2x6", "base"), ("2x6", "lora-1"), ("2x6", "lora-2-mixed"), ("2x6", "no-lora-rows"),
+             ("1x5", "base"), ("1x5", "lora-1"), ("1x5", "no-lora-rows")]
+    assert list(zip(frame["system"], frame["batch"], frame["case"])) == [
+        (system, *case) for system in ("ours", "ours-invariant") for case in cases]
+    assert frame["vs_hf"].isna().all()
     assert (frame["tokens_per_s"] > 0).all()
     assert "tiny-qwen3-moe: 2 layers, 2 adapters of rank 2 (all), float32" in result.stdout
 
@@ -270,10 +272,11 @@ def test_missing_config_is_one_line(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_on_cuda_matches_peft_and_measures_memory(tiny_config, seed):
     """The GPU path: weights and adapters drawn on the device, peak memory per case, our engine with CUDA graphs
-    and without (ours-eager) against transformers + PEFT, float32 (IEEE dots in our kernels; cuBLAS without TF32)."""
+    and without (ours-eager) and in the batch-invariant mode (ours-invariant: its own GEMM and attention kernels)
+    against transformers + PEFT, float32 (IEEE dots in our kernels; cuBLAS without TF32)."""
     frame = bench(tiny_config, adapters=4, rank=3, batches=("4x32", "1x16"), dtype="float32", device="cuda",
-                  repeat=2, warmup=1, also_eager=True, seed=seed, quiet=True)
-    assert set(frame["system"]) == {"ours", "ours-eager", "hf"}
+                  repeat=2, warmup=1, also_eager=True, also_invariant=True, seed=seed, quiet=True)
+    assert set(frame["system"]) == {"ours", "ours-eager", "ours-invariant", "hf"}
     assert (frame["status"] == "ok").all()
     assert ((frame["peak_mem_gb"] > 0) & np.isfinite(frame["peak_mem_gb"])).all()
     assert (frame["peak_mem_gb"] >= frame["resident_gb"]).all()

@@ -178,7 +178,8 @@ def test_demo_end_to_end(tmp_path):
     run = json.loads((report / "run.json").read_text())
     reference = out / "reference.parquet"
     assert run["arguments"]["references"] == [str(reference)]
-    assert run["resolved"] == dict(device="cpu", dtype="float32", ranks=1) and run["arguments"]["batch_tokens"] == 4096
+    assert run["resolved"] == dict(device="cpu", dtype="float32", ranks=1, batch_invariant=False)
+    assert run["arguments"]["batch_tokens"] == 4096
     assert set(run["arguments"]["adapters"]) == {"peft-all-linear", "tinker-shared-outer"}
     assert {"lora-eval", "torch", "transformers", "peft", "python"} <= set(run["fingerprint"]["versions"])
     assert run["fingerprint"]["versions"]["torch"] == torch.__version__

@@ -3,8 +3,8 @@ nothing, so a whole fused MoE layer's launches go through Triton's real compiler
 shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descriptors, wgmma pipelines) that the
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
-    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms, dense-lora-partials or
-                                                   prefix-attention;
+    python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms, dense-lora-partials,
+                                                   prefix-attention or batch-invariant;
                                                    prints one line per compiled kernel)
 """
 
@@ -131,9 +131,21 @@ def _prefix_attention():
 
     bf16 = dict(dtype=torch.bfloat16)
     for nh, nkv, D, DV in ((32, 4, 128, 128), (16, 16, 192, 128)):
-        q, k, v = torch.empty(8, nh, 100, D, **bf16), torch.empty(8, nkv, 100, D, **bf16), torch.empty(8, nkv, 100, DV, **bf16)
+        q, k = torch.empty(8, nh, 100, D, **bf16), torch.empty(8, nkv, 100, D, **bf16)
+        v = torch.empty(8, nkv, 100, DV, **bf16)
         prefix_attention(q, k, v, torch.empty(8, nh, 100, DV, **bf16), torch.arange(8), D ** -0.5,
                          torch.empty(nkv, 600, D, **bf16), torch.empty(nkv, 600, DV, **bf16))
+    q, k = torch.empty(8, 64, 100, 64, **bf16), torch.empty(8, 8, 100, 64, **bf16)  # GPT-OSS: sinks, window
+    prefix_attention(q, k, k, torch.empty_like(q), torch.arange(8), 0.125, sinks=torch.empty(64, **bf16), window=128)
+
+
+def _batch_invariant():
+    """The batch-invariant mode's GEMM at Qwen3-30B-A3B's q projection, in bf16 and float32."""
+    from lora_eval.kernels.matmul import matmul
+
+    for dtype in (torch.bfloat16, torch.float32):
+        matmul(torch.empty(300, 2048, dtype=dtype), torch.empty(4096, 2048, dtype=dtype),
+               torch.empty(4096, dtype=dtype))
 
 
 CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
@@ -163,6 +175,8 @@ if __name__ == "__main__":
         _dense_consumers()
     elif sys.argv[1] == "prefix-attention":
         _prefix_attention()
+    elif sys.argv[1] == "batch-invariant":
+        _batch_invariant()
     elif sys.argv[1] in HOPPER_CASES:
         rank, shared_outer = HOPPER_CASES[sys.argv[1]]
         _layer(8192, {}, rank, shared_outer, hopper=True)

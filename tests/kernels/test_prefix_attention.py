@@ -1,14 +1,15 @@
 """The prefixed attention kernel against its plain-torch reference and against the forward's torch form
 (row_attention over the prefix's keys concatenated in front): interpreter on the CPU in float32 and float16, the GPU
 in bf16 at Qwen3-30B-A3B's heads; odd lengths and head dims so that masked tails are exercised, grouped-query heads,
-MLA's wider query/key head, rows of the batch outside the group left untouched."""
+MLA's wider query/key head, GPT-OSS's sinks and sliding window (narrower than the prefix, so that whole key blocks
+fall outside it), rows of the batch outside the group left untouched."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lora_eval.forward import row_attention
+from lora_eval.forward import row_attention, sink_attention
 from lora_eval.kernels.prefix_attention import prefix_attention, prefix_attention_ref
 from lora_eval.kernels.tiles import PREFIX_ATTENTION_TILES
 
@@ -25,19 +26,25 @@ def _case(g, B, nh, nkv, L, P, D, DV, dtype, device=DEVICE):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("nh,nkv,D,DV,P", [(4, 2, 24, 24, BM + 9), (3, 3, 20, 12, 5), (4, 1, 16, 16, 0)],
-                         ids=["gqa", "mla-widths", "no-prefix"])
-def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P):
+@pytest.mark.parametrize("nh,nkv,D,DV,P,sinks,window", [(4, 2, 24, 24, BM + 9, False, None),
+                                                        (3, 3, 20, 12, 5, False, None),
+                                                        (4, 1, 16, 16, 0, False, None),
+                                                        (4, 2, 16, 16, 2 * BM + 3, True, BM // 2 + 5),
+                                                        (4, 2, 16, 16, 0, True, None)],
+                         ids=["gqa", "mla-widths", "no-prefix", "sinks-window", "sinks"])
+def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P, sinks, window):
     """Rows 0 and 2 of a 3-row batch (row 1 poisoned and left so); L not a multiple of the query block, P of the key
-    block; every output within tol of the float32 reference and of row_attention (the torch path's form)."""
+    block; every output within tol of the float32 reference and of the torch path's form (row_attention, or
+    sink_attention with sinks or a window)."""
     g = torch.Generator().manual_seed(seed)
     B, L = 3, BM + 7
     q, k, v, pk, pv = _case(g, B, nh, nkv, L, P, D, DV, dtype)
+    sink = (3 + torch.rand(nh, generator=g)).to(DEVICE, dtype) if sinks else None  # large enough to matter
     scale = D ** -0.5
     out = torch.full((B, nh, L, DV), float("nan"), dtype=dtype, device=DEVICE)
     rows = torch.tensor([0, 2], device=DEVICE)
-    prefix_attention(q, k, v, out, rows, scale, pk, pv)
-    ref = prefix_attention_ref(q, k, v, scale, pk, pv)
+    prefix_attention(q, k, v, out, rows, scale, pk, pv, sink, window)
+    ref = prefix_attention_ref(q, k, v, scale, pk, pv, sink, window)
     assert out[1].isnan().all()
     assert not out[rows].isnan().any()
     assert (out[rows].float() - ref[rows].float()).abs().max().item() < tol
@@ -46,13 +53,21 @@ def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P):
         vv = torch.cat([pv[None].expand(B, -1, -1, -1), v], dim=2)
     else:
         kk, vv = k, v
-    torch_form = row_attention(q.float(), kk.float(), vv.float(), scale, offset=P)
+    if sinks or window:
+        torch_form = sink_attention(q.float(), kk.float(), vv.float(), scale, None if sink is None else sink.float(),
+                                    window, offset=P)
+    else:
+        torch_form = row_attention(q.float(), kk.float(), vv.float(), scale, offset=P)
     assert (out[rows].float() - torch_form[rows]).abs().max().item() < tol
-    # the prefix matters: the same rows without it differ
-    if P:
-        alone = torch.full_like(out, float("nan"))
-        prefix_attention(q, k, v, alone, rows, scale)
-        assert (alone[rows].float() - out[rows].float()).abs().max().item() > 10 * tol
+    # each feature matters: the same rows without the prefix, the sinks or the window differ
+    for name, change in (("prefix", dict(prefix_k=None, prefix_v=None)), ("sinks", dict(sinks=None)),
+                         ("window", dict(window=None))):
+        given = dict(prefix_k=pk, prefix_v=pv, sinks=sink, window=window)
+        if given[next(iter(change))] is None:
+            continue
+        other = torch.full_like(out, float("nan"))
+        prefix_attention(q, k, v, other, rows, scale, **{**given, **change})
+        assert (other[rows].float() - out[rows].float()).abs().max().item() > 10 * tol, name
 
 
 def test_refuses_heads_that_do_not_group(seed):

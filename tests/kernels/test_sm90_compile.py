@@ -57,9 +57,15 @@ def test_dense_lora_consumers_compile_with_the_most_partials():
 
 
 def test_prefix_attention_compiles_for_hopper():
-    """The prefixed attention at real head widths (128; MLA's 192 / 128): one compile per width, in shared memory."""
+    """The prefixed attention at real head widths (128; MLA's 192 / 128; GPT-OSS's 64 with sinks and a window), in
+    shared memory."""
     compiled = compile_case("prefix-attention")
     assert set(compiled) == {"prefix_attention_kernel"}
+
+
+def test_batch_invariant_gemm_compiles_for_hopper():
+    """The batch-invariant mode's GEMM (kernels/matmul.py) in bf16 and float32 (whose tiles take twice the bytes)."""
+    assert set(compile_case("batch-invariant")) == {"matmul_kernel"}
 
 
 @pytest.mark.parametrize("case,gluon_gate_up", [("moe-8192-gluon-rank-16", True), ("moe-8192-gluon-rank-32", False),
