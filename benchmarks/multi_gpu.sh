@@ -6,7 +6,8 @@
 # STEPS picks the parts (default "dp ep"):
 #   dp  data parallel: compare and an MMLU subset on a Qwen3-30B-A3B-shaped checkpoint written to disk, on one GPU
 #       and on all of them; speed-up and whether the tables are byte-identical.
-#       DP_LAYERS (48), DP_SAMPLES (1024 reference samples), MMLU_LIMIT (questions per subject, 10), MMLU (the release).
+#       DP_LAYERS (48), DP_SAMPLES (1024 reference samples), MMLU_LIMIT (questions per subject, 10), MMLU (the release);
+#       DP_ARGS go to both commands (DP_ARGS=--batch-invariant: issue #27's identity under the batch-invariant mode).
 #   ep  expert parallel: a Qwen3-235B-A22B-shaped checkpoint of EP_LAYERS layers (18: 92 GB in bf16, more than one
 #       H100 holds) written layer by layer, compare and an MMLU subset with --expert-parallel; then the first
 #       EP_AGREE_LAYERS (8) layers of the same checkpoint on one GPU and with --expert-parallel, logprobs side by side,
@@ -71,7 +72,7 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
       --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-30B-A3B.json" ${WRITE_ARGS:-} --layers "${DP_LAYERS:-48}" --samples "${DP_SAMPLES:-1024}" \
       --tokenizer-from "$MMLU" --out "$DP" 2>&1 | tail -n 2 | tee "$RES/dp_write.log"
   ARGS=(compare --model "$DP/model" --adapter "adapter=$DP/peft/adapter" --reference "$DP/reference.parquet"
-        --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-})
+        --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-} ${DP_ARGS:-})
   # a warm-up on 64 samples first: Triton compiles into its on-disk cache once per machine, not inside a timed run
   python3 -c "import pandas as pd, sys; pd.read_parquet(sys.argv[1]).head(64).to_parquet(sys.argv[2])" \
       "$DP/reference.parquet" "$DP/warm.parquet"
@@ -85,7 +86,7 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
       cmp -s "$DP/one/$f" "$DP/all/$f" && echo "compare $f byte-identical" || echo "compare $f differs"; done
     side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
   cp "$RES/dp_summary.txt" "$OUT/" 2>/dev/null
-  M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}")
+  M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}" ${DP_ARGS:-})
   CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$RES/dp_mmlu_one.log" 2>&1
   timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$RES/dp_mmlu_all.log" 2>&1
   for r in mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
