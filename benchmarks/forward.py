@@ -2,7 +2,7 @@
 (`profile`), and whether a change pays end to end (`variants`, an A/B of patched settings in one process).
 
     python benchmarks/forward.py profile [--config benchmarks/configs/Qwen3-30B-A3B.json] [--layers 4]
-                                         [--batch 4x1024] [--top 25] [--replay]
+                                         [--batch 4x1024] [--top 25] [--replay] [--prefix 600]
     python benchmarks/forward.py variants [--config benchmarks/configs/Qwen3-30B-A3B.json] [--layers 24]
                                           [--batch 1x128 --batch 4x1024] [--rounds 7] [--out FILE.csv]
     (a dry run on the CPU, either: TRITON_INTERPRET=1 python benchmarks/forward.py OP --device cpu --dtype float32
@@ -14,7 +14,9 @@ replay (then also the replay's span from first kernel start to last kernel end a
 Before that: the experts each layer's routing touches (a random-weight model routes deeper layers to fewer
 experts), the bytes a forward must read at least (dense and lm_head weights + every touched expert's weights once)
 and that floor at the measured device copy bandwidth, beside the measured call times (replay and eager, median of
-7). Random token ids (seed 0). On the CPU the table is of torch ops' own CPU time instead.
+7). Random token ids (seed 0). On the CPU the table is of torch ops' own CPU time instead. --prefix P: every row
+continues one shared P-token prefix, as an MMLU batch of one subject (issue #24): its pass runs once, in the
+warm-up, and the timed calls compute the rows' own tokens against it (eagerly: graphs hold no prefixes).
 
 `variants` (was forward_variants.py): 4 rank-16 PEFT adapters on every linear projection (as `lora-eval bench`),
 each variant's engine captured while its patches are in force (a CUDA graph keeps the kernels it was captured with),
@@ -146,24 +148,29 @@ def run_profile(args, dev: torch.device, dtype: torch.dtype):
     hf = random_hf_model(config, dtype, dev, seed=0)
     tensors = hf.state_dict()
     model = load_model_from_tensors(config, tensors, dtype, dev, where=args.config)
-    ids = torch.randint(0, config["vocab_size"], (rows, length), generator=torch.Generator().manual_seed(0)).tolist()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config["vocab_size"], (rows, length), generator=g).tolist()
+    shared = torch.randint(0, config["vocab_size"], (args.prefix,), generator=g).tolist()
+    ids = [shared + row for row in ids]
+    prefixes = [args.prefix] * rows if args.prefix else None
     with tempfile.TemporaryDirectory() as tmp:
         peft_model, _ = make_peft_adapters(hf, ["a0"], 16, "all", seed=0)
         peft_model.save_pretrained(tmp)
         del peft_model
         adapter = load_adapter(Path(tmp) / "a0", "a0", model)
     with recorded_routes() as routes:
-        Engine(model, [], backend=args.backend, cuda_graphs=False).logprobs(Batch(ids, [None] * rows))
+        Engine(model, [], backend=args.backend, cuda_graphs=False).logprobs(Batch(ids, [None] * rows, prefixes))
     floor_ms = floor_report(tensors, config, routes, copy_bandwidth_gbs(dev))
     for name, adapters, tags in (("base", [], [None] * rows), ("lora-1", [adapter], ["a0"] * rows)):
         calls = {}
         for graphs in (True, False):
             engine = Engine(model, adapters, backend=args.backend, cuda_graphs=graphs)
-            calls[graphs] = lambda engine=engine: torch.stack(engine.logprobs(Batch(ids, tags)))
+            calls[graphs] = lambda engine=engine: torch.stack(engine.logprobs(Batch(ids, tags, prefixes)))
         replay, eager = (measure(calls[g], dev, warmup=2, repeat=7).seconds * 1000 for g in (True, False))
         times, span, idle = kernel_table(calls[args.replay], dev)
         total = sum(times.values())
-        print(f"\n== {name} ({args.layers} layers, {batches[0]}): call {replay:.2f} ms replayed, {eager:.2f} ms eager "
+        after = f" after a {args.prefix}-token prefix" if args.prefix else ""
+        print(f"\n== {name} ({args.layers} layers, {batches[0]}{after}): call {replay:.2f} ms replayed, {eager:.2f} ms eager "
               f"({eager / replay:.2f}x); {replay / floor_ms:.2f}x the weight-read floor")
         print(f"   {'inside a replay' if args.replay else 'eager call'}: {total:.2f} ms of "
               f"{'GPU kernels' if dev.type == 'cuda' else 'torch ops (self CPU time)'}, span {span:.2f} ms, idle "
@@ -260,6 +267,7 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--replay", action="store_true", help="profile inside CUDA-graph replays")
+    p.add_argument("--prefix", type=int, default=0, help="every row continues one shared prefix of this many tokens")
     p = ops.add_parser("variants", parents=[common], help="A/B of patched settings on the whole forward")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--rounds", type=int, default=7)

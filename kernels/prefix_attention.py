@@ -47,6 +47,21 @@ def prefix_attention_ref(q, k, v, scale: float, prefix_k=None, prefix_v=None, si
 
 
 @triton.jit
+def _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One key block into the running softmax: scores s [BM, BN] (log2 units) where `seen`, values vv [BN, BDV].
+    A block wholly outside a query's view leaves its running max at -inf: the updates then subtract 0 instead
+    (m_safe), so that nothing becomes NaN."""
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, sinks_ptr, L, P, WINDOW, qk_scale,
     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
@@ -55,9 +70,7 @@ def prefix_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Queries pid_m * BLOCK_M.. of row rows[g], head h (program 1 = g * HEADS + h); qk_scale: scale * log2(e).
-    A key block wholly outside a query's window leaves that query's running max at -inf: the updates then subtract
-    0 instead (m_safe), so that nothing becomes NaN."""
+    """Queries pid_m * BLOCK_M.. of row rows[g], head h (program 1 = g * HEADS + h); qk_scale: scale * log2(e)."""
     pid_m = tl.program_id(0)
     g = tl.program_id(1) // HEADS
     h = tl.program_id(1) % HEADS
@@ -83,14 +96,7 @@ def prefix_attention_kernel(
         seen = keep[None, :]
         if HAS_WINDOW:  # key position n > query position P + i - WINDOW
             seen = seen & (offs_n[None, :] > offs_m[:, None] + P - WINDOW)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION)
     # the row's own keys, causally: key j is seen by queries i >= j
     for n0 in range(0, tl.minimum(L, (pid_m + 1) * BLOCK_M), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -103,14 +109,7 @@ def prefix_attention_kernel(
         seen = keep[None, :] & (offs_n[None, :] <= offs_m[:, None])
         if HAS_WINDOW:
             seen = seen & (offs_n[None, :] > offs_m[:, None] - WINDOW)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION)
     if HAS_SINKS:  # the head's sink logit joins the denominator (in log2 units, as the scores)
         sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         m_new = tl.maximum(m_i, sink)

@@ -345,7 +345,8 @@ class Forward:
                   sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         """Causal attention over right-padded rows: q [B, nh, L, D], k/v [B, nkv, L, D] -> [B, nh, L, D].
         `sinks` [nh]: a learned logit per head in every softmax denominator; `window`: a query sees only the last
-        `window` positions, itself included (both GPT-OSS; computed by sink_attention).
+        `window` positions, itself included (both GPT-OSS; computed by sink_attention, or by the prefix kernel in the
+        batch-invariant mode).
         With cached prefixes (see __init__) each row attends to its prefix's keys and values, then its own; without
         them this is the plain causal attention below."""
         layer = self._attention_calls
@@ -361,7 +362,9 @@ class Forward:
             prefix_attention(q, k, v, out, self._all_rows(q.device), scale, sinks=sinks, window=window)
             return out
         if sinks is not None or window is not None:
-            if self.triton:  # plain torch over the padded batch until a fused kernel with sinks exists
+            # the Triton path: plain torch over the padded batch (the prefix kernel, which takes sinks and a window
+            # too, serves only the batch-invariant mode above: its speed against this is not measured yet)
+            if self.triton:
                 return sink_attention(q, k, v, scale, sinks, window)
             out = torch.zeros_like(q)  # each row over its own length, as below
             for b, n in enumerate(self.lengths):
