@@ -6,7 +6,8 @@
 # run last on both. Results: $OUT/gpu_suite.tgz (env.txt, gpu_tests.log with the 25 slowest tests, check_*.log/.csv,
 # moe_layer.*, bench_invariant.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
-# GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py.
+# GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py; STEP_S (120)
+# limits each check and benchmark (a cut one's log says so: no summary line).
 # The tests run in GPU_TEST_WORKERS (4) pytest-xdist processes on one GPU: a serial run spends most of its time
 # compiling Triton kernels one after another on one CPU core, which processes do side by side (H200: 463 s serially
 # at 7d35a35, 139 s in 4 processes at 0fceba8; BENCHMARKS.md); 1 runs them in one process.
@@ -21,24 +22,28 @@ source benchmarks/gpu_setup.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the check imports tests.builders
 GPUS=$(nvidia-smi -L | wc -l)
 WORKERS=${GPU_TEST_WORKERS:-4}
+STEP_S=${STEP_S:-120}  # each check and benchmark's limit, so that the script packs its results inside one call
 [ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS") || XDIST=()
 
 check_and_layer() {
   for i in $(seq "${RUNS:-2}"); do
-    python3 benchmarks/mixed_batch_check.py --models 6 --batches 100 --modes eager,graphs --out "$RES/check_$i.csv" \
-      ${CHECK_ARGS:-} > "$RES/check_$i.log" 2>&1; echo "exit $?" >> "$RES/check_$i.log"; tail -n 2 "$RES/check_$i.log"
+    timeout "$STEP_S" python3 benchmarks/mixed_batch_check.py --models 6 --batches 100 --modes eager,graphs \
+      --out "$RES/check_$i.csv" ${CHECK_ARGS:-} > "$RES/check_$i.log" 2>&1
+    echo "exit $?" >> "$RES/check_$i.log"; tail -n 2 "$RES/check_$i.log"
   done
-  python3 benchmarks/mixed_batch_check.py --dims wide --models 2 --batches 50 --modes eager,graphs \
+  timeout "$STEP_S" python3 benchmarks/mixed_batch_check.py --dims wide --models 2 --batches 50 --modes eager,graphs \
     --out "$RES/check_wide.csv" ${CHECK_ARGS:-} > "$RES/check_wide.log" 2>&1; echo "exit $?" >> "$RES/check_wide.log"
   tail -n 2 "$RES/check_wide.log"
-  python3 benchmarks/mixed_batch_check.py --batch-invariant --models 6 --batches 100 --modes eager,graphs \
-    --out "$RES/check_invariant.csv" ${CHECK_ARGS:-} > "$RES/check_invariant.log" 2>&1
+  timeout "$STEP_S" python3 benchmarks/mixed_batch_check.py --batch-invariant --models 6 --batches 100 \
+    --modes eager,graphs --out "$RES/check_invariant.csv" ${CHECK_ARGS:-} > "$RES/check_invariant.log" 2>&1
   echo "exit $?" >> "$RES/check_invariant.log"; tail -n 2 "$RES/check_invariant.log"
-  python3 benchmarks/moe_layer.py --out "$RES/moe_layer.csv" ${MOE_BENCH_ARGS:-} > "$RES/moe_layer.log" 2>&1
+  timeout "$STEP_S" python3 benchmarks/moe_layer.py --out "$RES/moe_layer.csv" ${MOE_BENCH_ARGS:-} \
+    > "$RES/moe_layer.log" 2>&1
   tail -n 16 "$RES/moe_layer.log"
   # the batch-invariant mode's cost beside the default, one process (issue #23 item 2)
-  lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --adapters 1 --batch 4x1024 --repeat 7 \
-    --also-invariant --quiet --out "$RES/bench_invariant.csv" > "$RES/bench_invariant.log" 2>&1
+  timeout "$STEP_S" lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --adapters 1 \
+    --batch 4x1024 --repeat 7 --also-invariant --quiet --out "$RES/bench_invariant.csv" \
+    > "$RES/bench_invariant.log" 2>&1
   tail -n 12 "$RES/bench_invariant.log"
 }
 
