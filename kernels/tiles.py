@@ -130,8 +130,9 @@ TOKENS_PER_PROGRAM = 32
 # ------------------------------------------------------------- batch-invariant mode (--batch-invariant, issue #23)
 
 # Every launch setting that otherwise follows the batch's size is fixed, so that a row's result does not depend on
-# the rows around it or the padding (lora_eval/forward.py `invariant`). Not measured yet: each is the default mode's
-# setting for large batches, the cost of the mode on the GPU is still to be measured (issue #23 item 2).
+# the rows around it or the padding (lora_eval/forward.py `invariant`). None measured yet (the mode's cost on the GPU
+# is issue #23 item 2's open figure): the MoE config is the default's for large batches less its data-dependent
+# choices; the split counts sit inside the ranges the default picks by batch size (shrink 1-16, vocabulary 1-594).
 # The fused MoE: MOE_CONFIGS' 128-row blocks without the data-dependent choices — a half-height tile for an expert's
 # half-empty last block (half_tail) and the side-by-side shrink of a block's slots (all_slots_max 0: one pass per slot,
 # the same dot for a row whatever slots share its block) — and without the Gluon GEMMs of the largest batches.
