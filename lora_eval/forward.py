@@ -355,12 +355,8 @@ class Forward:
             n, kept = self.capture
             kept.append((k[0, :, :n].clone(memory_format=torch.contiguous_format),
                          v[0, :, :n].clone(memory_format=torch.contiguous_format)))
-        if self.prefixes is not None:
+        if self.prefixes is not None or self.invariant:  # (invariant: one program per row and head, fixed tiles)
             return self._prefixed_attention(layer, q, k, v, scale, sinks, window)
-        if self.invariant:  # one program per row and head, fixed tiles: no row sees the batch
-            out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]
-            prefix_attention(q, k, v, out, self._all_rows(q.device), scale, sinks=sinks, window=window)
-            return out
         if sinks is not None or window is not None:
             # the Triton path: plain torch over the padded batch (the prefix kernel, which takes sinks and a window
             # too, serves only the batch-invariant mode above: its speed against this is not measured yet)
@@ -381,18 +377,13 @@ class Forward:
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
 
-    def _all_rows(self, device) -> torch.Tensor:
-        """[B] the batch's row indices on device (the batch-invariant attention's one group)."""
-        if self._rows_by_prefix is None:
-            self._rows_by_prefix = [(None, torch.arange(len(self.lengths), device=device))]
-        return self._rows_by_prefix[0][1]
-
     def _prefix_groups(self, device) -> list:
-        """[(prefix or None, rows [G] on device)]: the batch's rows by cached prefix, built at the first layer."""
+        """[(prefix or None, rows [G] on device)]: the batch's rows by cached prefix (without prefixes: all rows, one
+        group), built at the first layer."""
         if self._rows_by_prefix is None:
             groups: dict = {}
             for b in range(len(self.lengths)):
-                prefix = self.prefixes[b] if b < len(self.prefixes) else None
+                prefix = self.prefixes[b] if self.prefixes is not None and b < len(self.prefixes) else None
                 groups.setdefault(id(prefix), (prefix, []))[1].append(b)
             self._rows_by_prefix = [(prefix, torch.tensor(rows, device=device)) for prefix, rows in groups.values()]
         return self._rows_by_prefix
@@ -405,7 +396,8 @@ class Forward:
         kernels/prefix_attention.py, which reads the prefix in place (with sinks or a window: plain torch over the
         prefix's keys concatenated in front, at the padded length, whose right padding sits after every valid
         position and so outside every real query's view); the torch path goes row by row. Prefixed batches run
-        eagerly, without graphs."""
+        eagerly, without graphs. The batch-invariant mode's attention comes here too, prefixes or not: every group
+        through the kernel, sinks and window included."""
         if self.triton:
             out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: each row written by its group's launch
             for prefix, rows in self._prefix_groups(q.device):
