@@ -15,8 +15,9 @@ Before that: the experts each layer's routing touches (a random-weight model rou
 experts), the bytes a forward must read at least (dense and lm_head weights + every touched expert's weights once)
 and that floor at the measured device copy bandwidth, beside the measured call times (replay and eager, median of
 7). Random token ids (seed 0). On the CPU the table is of torch ops' own CPU time instead. --prefix P: every row
-continues one shared P-token prefix, as an MMLU batch of one subject (issue #24): its pass runs once, in the
-warm-up, and the timed calls compute the rows' own tokens against it (eagerly: graphs hold no prefixes).
+continues one shared P-token prefix, as an MMLU batch of one subject (issue #24), scored as MMLU scores
+(`next_token_logprobs`: lm_head at each row's last position only): the prefix pass runs once, in the warm-up, and the
+timed calls compute the rows' own tokens against it (eagerly: graphs hold no prefixes).
 
 `variants` (was forward_variants.py): 4 rank-16 PEFT adapters on every linear projection (as `lora-eval bench`),
 each variant's engine captured while its patches are in force (a CUDA graph keeps the kernels it was captured with),
@@ -55,6 +56,8 @@ from lora_eval.kernels.tiles import MOE_CONFIGS
 from lora_eval.models import load_model_from_tensors
 
 # ------------------------------------------------------------------------------------------------------- profile
+
+CHOICES = [32, 33, 34, 35]  # profile --prefix: the candidate tokens scored at each row's last position
 
 
 def kernel_table(call, device: torch.device) -> tuple[dict[str, float], float, float]:
@@ -153,19 +156,25 @@ def run_profile(args, dev: torch.device, dtype: torch.dtype):
     shared = torch.randint(0, config["vocab_size"], (args.prefix,), generator=g).tolist()
     ids = [shared + row for row in ids]
     prefixes = [args.prefix] * rows if args.prefix else None
+
+    def score(engine: Engine, tags: list) -> torch.Tensor:
+        """One call: with --prefix as MMLU scores (lm_head at each row's last position only), else every logprob."""
+        if args.prefix:
+            return engine.next_token_logprobs(Batch(ids, tags, prefixes), CHOICES)
+        return torch.stack(engine.logprobs(Batch(ids, tags, prefixes)))
     with tempfile.TemporaryDirectory() as tmp:
         peft_model, _ = make_peft_adapters(hf, ["a0"], 16, "all", seed=0)
         peft_model.save_pretrained(tmp)
         del peft_model
         adapter = load_adapter(Path(tmp) / "a0", "a0", model)
     with recorded_routes() as routes:
-        Engine(model, [], backend=args.backend, cuda_graphs=False).logprobs(Batch(ids, [None] * rows, prefixes))
+        score(Engine(model, [], backend=args.backend, cuda_graphs=False), [None] * rows)
     floor_ms = floor_report(tensors, config, routes, copy_bandwidth_gbs(dev))
     for name, adapters, tags in (("base", [], [None] * rows), ("lora-1", [adapter], ["a0"] * rows)):
         calls = {}
         for graphs in (True, False):
             engine = Engine(model, adapters, backend=args.backend, cuda_graphs=graphs)
-            calls[graphs] = lambda engine=engine: torch.stack(engine.logprobs(Batch(ids, tags, prefixes)))
+            calls[graphs] = lambda engine=engine, tags=tags: score(engine, tags)
         replay, eager = (measure(calls[g], dev, warmup=2, repeat=7).seconds * 1000 for g in (True, False))
         times, span, idle = kernel_table(calls[args.replay], dev)
         total = sum(times.values())

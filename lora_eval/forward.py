@@ -377,15 +377,19 @@ class Forward:
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
 
-    def _prefix_groups(self, device) -> list:
-        """[(prefix or None, rows [G] on device)]: the batch's rows by cached prefix (without prefixes: all rows, one
-        group), built at the first layer."""
+    def _prefix_groups(self, rows: int, device) -> list:
+        """[(prefix or None, rows [G] on device)]: the batch's `rows` rows by cached prefix, built at the first layer.
+        Without prefixes (the batch-invariant mode) all rows are one group, made on the device: a CUDA graph captures
+        that, where it cannot capture a copy from the host."""
+        if self._rows_by_prefix is None and self.prefixes is None:
+            self._rows_by_prefix = [(None, torch.arange(rows, device=device))]
         if self._rows_by_prefix is None:
             groups: dict = {}
-            for b in range(len(self.lengths)):
-                prefix = self.prefixes[b] if self.prefixes is not None and b < len(self.prefixes) else None
+            for b in range(rows):
+                prefix = self.prefixes[b] if b < len(self.prefixes) else None
                 groups.setdefault(id(prefix), (prefix, []))[1].append(b)
-            self._rows_by_prefix = [(prefix, torch.tensor(rows, device=device)) for prefix, rows in groups.values()]
+            self._rows_by_prefix = [(prefix, torch.tensor(members, device=device))
+                                    for prefix, members in groups.values()]
         return self._rows_by_prefix
 
     def _prefixed_attention(self, layer: int, q, k, v, scale: float, sinks, window) -> torch.Tensor:
@@ -400,7 +404,7 @@ class Forward:
         through the kernel, sinks and window included."""
         if self.triton:
             out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: each row written by its group's launch
-            for prefix, rows in self._prefix_groups(q.device):
+            for prefix, rows in self._prefix_groups(q.shape[0], q.device):
                 pk, pv = (None, None) if prefix is None else (t.to(k.dtype) for t in prefix.kv[layer])
                 if (sinks is None and window is None) or self.invariant:
                     prefix_attention(q, k, v, out, rows, scale, pk, pv, sinks, window)
