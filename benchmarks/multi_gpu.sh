@@ -17,6 +17,7 @@
 # CONFIG_DIR holds the two configs (default benchmarks/configs); WRITE_ARGS and DEVICE_ARGS go to write_checkpoint.py
 # and to every lora-eval command (a dry run on the CPU: fake nvidia-smi, tiny configs, "--device cpu").
 # WORK is where the checkpoints go (default /tmp/lora-eval-multi; the dp checkpoint is removed before ep's).
+# EP_RUNS names the ep runs to do (default all: run first_ep first_one first_one_f32 first_ep_f32 mmlu).
 # BUDGET_S caps the script's wall time (default none): each ep run gets at most the time left less 30 s for packing,
 # and a run whose folder already holds run.json is not run again, so a second call on the warm machine goes on
 # where the first was cut (the 32-layer FP8 write and its runs take more than one 10-minute call).
@@ -36,6 +37,7 @@ left() {  # $1: a step's own limit; prints it, capped by what BUDGET_S leaves (0
   echo $(( l > 1 ? l : 1 )); }
 ep_run() {  # $1: run folder name under $EP, $2: limit (s), $3: log; the rest: the command. Skipped when done.
   local name=$1 limit; limit=$(left "$2"); shift 2; local log=$1; shift
+  if [[ -n "${EP_RUNS:-}" && " $EP_RUNS " != *" $name "* ]]; then echo "$name: not in EP_RUNS" >> "$RES/ep_steps.txt"; return; fi
   if [ -f "$EP/$name/run.json" ]; then echo "$name: done before" >> "$RES/ep_steps.txt"; return; fi
   if [ "$limit" -lt 30 ]; then echo "$name: no time left" | tee -a "$RES/ep_steps.txt"; return; fi
   local t0=$SECONDS; timeout "$limit" "$@" --out "$EP/$name" > "$RES/$log" 2>&1

@@ -9,6 +9,7 @@ passes its settings to the op as arguments; no module constant is changed.
     python benchmarks/tiles.py shrinks [--tokens 128,4096] [--sections moe,dense]
     python benchmarks/tiles.py logprobs [--rows 128,1024,4096,8192]
     python benchmarks/tiles.py attention [--rows 200] [--prefix 600] [--suffix 110]
+    python benchmarks/tiles.py matmul [--tokens 4096]
     (a dry run on the CPU, any of them: TRITON_INTERPRET=1 python benchmarks/tiles.py OP --device cpu --shape tiny
      --dtype float32 ...; the times then mean nothing)
 
@@ -41,7 +42,11 @@ computing only the logits and against the weight's read floor at 3 TB/s.
 `attention`: the prefixed attention (kernels/prefix_attention.py) of one MMLU-like group (ROWS questions of up to
 SUFFIX tokens after one PREFIX-token 5-shot prefix, q/kv heads of the shape) by tile, against the torch form it
 replaced (the prefix's keys and values concatenated in front of every row, SDPA with an offset causal mask) and
-against causal SDPA over the full prompts (what running without the prefix cache costs in attention).
+against causal SDPA over the full prompts (what running without the prefix cache costs in attention). With
+--prefix 0 --rows 4 --suffix 1024: the batch-invariant mode's attention of the bench's batch against causal SDPA.
+
+`matmul`: the batch-invariant mode's dense GEMM (kernels/matmul.py, fixed tiles, K never split) at the attention
+projections' and router's shapes by tile, against cuBLAS (F.linear, what the default mode runs).
 
 bf16 unless --dtype; times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph) on a GPU, of a few
 wall-clock calls on the CPU. Findings: BENCHMARKS-history.md, sections 1 (moe, logprobs) and 3 (dense, shrinks).
@@ -65,11 +70,12 @@ from lora_eval.kernels import head_norm_rope as hnr
 from lora_eval.kernels import logprobs as lp
 from lora_eval.kernels.dense_lora import dense_lora_expand, dense_lora_shrink
 from lora_eval.kernels.lora_meta import lora_metadata
+from lora_eval.kernels.matmul import matmul
 from lora_eval.kernels.moe_align import moe_align
 from lora_eval.kernels.prefix_attention import prefix_attention
 from lora_eval.kernels.rms_norm import rms_norm
 from lora_eval.kernels.rope import rope
-from lora_eval.kernels.tiles import DENSE_LORA_BLOCKS, PREFIX_ATTENTION_TILES
+from lora_eval.kernels.tiles import DENSE_LORA_BLOCKS, MATMUL_TILES, PREFIX_ATTENTION_TILES
 from lora_eval.forward import row_attention
 from lora_eval.models.layers import rope_cos_sin
 
@@ -577,6 +583,34 @@ def attention(b: Bench, args):
               f"{(out.float() - reference.float()).abs().max().item():.1e}")
 
 
+# ----------------------------------------------------------------------------------- matmul (batch-invariant)
+
+MATMUL_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
+                for m, n, k, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                                       (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+                                       (128, 64, 64, 4, 4), (128, 128, 128, 8, 3)]]
+
+
+def matmul_sweep(b: Bench, args):
+    s, g = b.s, b.generator()
+    projections = {"qkv": (s.H, s.Q + 2 * s.KV), "o": (s.Q, s.H), "router": (s.H, s.E)}
+    for T in (int(t) for t in args.tokens.split(",")):
+        for name, (K, N) in projections.items():
+            x, w = b.randn(T, K, g=g), b.randn(N, K, g=g, scale=K ** -0.5)
+            reference = F.linear(x, w)
+            cublas = b.ms(lambda: F.linear(x, w))
+            print(f"{name} T={T} K={K} N={N}: cuBLAS {cublas:.4f} ms", flush=True)
+            for tiles in MATMUL_SWEEP:
+                try:
+                    ms = b.ms(lambda: matmul(x, w, tiles=tiles))
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit
+                    print(f"  {tiles}: {type(e).__name__}")
+                    continue
+                mark = " (ships)" if {**MATMUL_TILES, **tiles} == MATMUL_TILES else ""
+                diff = (matmul(x, w, tiles=tiles).float() - reference.float()).abs().max().item()
+                print(f"  {tiles}{mark}: {ms:.4f} ms, {cublas / ms:.2f}x cuBLAS, max diff {diff:.1e}")
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 
 def main():
@@ -610,11 +644,15 @@ def main():
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--prefix", type=int, default=600)
     p.add_argument("--suffix", type=int, default=110)
+    p = ops.add_parser("matmul", parents=[common],
+                       help="the batch-invariant mode's dense GEMM (kernels/matmul.py) by tile against cuBLAS")
+    p.add_argument("--tokens", default="4096")
     args = parser.parse_args()
     b = Bench(args.device, args.dtype, args.shape)
     print(f"{args.op} on {torch.cuda.get_device_name(b.dev) if b.cuda else b.dev}, {args.dtype}, shape {args.shape}, "
           f"torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    {"moe": moe, "dense": dense, "shrinks": shrinks, "logprobs": logprobs, "attention": attention}[args.op](b, args)
+    {"moe": moe, "dense": dense, "shrinks": shrinks, "logprobs": logprobs, "attention": attention,
+     "matmul": matmul_sweep}[args.op](b, args)
 
 
 if __name__ == "__main__":

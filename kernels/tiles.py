@@ -130,8 +130,9 @@ TOKENS_PER_PROGRAM = 32
 # ------------------------------------------------------------- batch-invariant mode (--batch-invariant, issue #23)
 
 # Every launch setting that otherwise follows the batch's size is fixed, so that a row's result does not depend on
-# the rows around it or the padding (lora_eval/forward.py `invariant`). None measured yet (the mode's cost on the GPU
-# is issue #23 item 2's open figure): the MoE config is the default's for large batches less its data-dependent
+# the rows around it or the padding (lora_eval/forward.py `invariant`). The mode costs 15-19% end to end (H200, 48
+# layers, 4 x 1024: base 60.2 -> 71.4 ms, lora-1 68.1 -> 78.7 ms; BENCHMARKS-history.md section 9): the dense GEMM
+# below ~5 ms of it, the attention ~2 ms. The MoE config is the default's for large batches less its data-dependent
 # choices; the split counts sit inside the ranges the default picks by batch size (shrink 1-16, vocabulary 1-594).
 # The fused MoE: MOE_CONFIGS' 128-row blocks without the data-dependent choices — a half-height tile for an expert's
 # half-empty last block (half_tail) and the side-by-side shrink of a block's slots (all_slots_max 0: one pass per slot,
@@ -140,7 +141,9 @@ INVARIANT_MOE = MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 6
                           expand_first=True, shrink=_SHRINK_128, all_slots_max=0)
 INVARIANT_SHRINK_SPLITS = 4  # the dense LoRA shrink's partial sums over `in` (else shrink_splits, by batch size)
 INVARIANT_VOCAB_SPLITS = 8  # the fused logprobs' vocabulary splits (else logprobs.split_vocab, by rows)
-# The dense projections' GEMM (matmul.py) in place of cuBLAS, whose kernel choice follows the batch's size.
+# The dense projections' GEMM (matmul.py) in place of cuBLAS, whose kernel choice follows the batch's size. H200,
+# 4096 tokens (benchmarks/tiles.py matmul): 0.73x cuBLAS at q/k/v's shape, 0.68x at o_proj's; the sweep's best
+# (256 x 128 x 64, 8 warps) reaches 0.77x / 0.76x, too little to bring the mode under 10% (TMA loads next).
 MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 # --------------------------------------------------------------------- prefixed attention (prefix_attention.py)
