@@ -232,7 +232,7 @@ def lora_residual_add_ref(h: torch.Tensor, y: torch.Tensor, shrunk: torch.Tensor
     return h + y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _residual_add_kernel(h_ptr, y_ptr, s_ptr, b_ptr, out_ptr, row_slot_ptr, slot_mask_ptr, T, N, R, S,
                          stride_hm, stride_ym, stride_sk, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,
                          stride_om, HAS_SLOT_MASK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,

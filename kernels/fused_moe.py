@@ -256,7 +256,7 @@ def _lora_expand(acc, acc_up, first, first_b, first_b_up, shrunk_ptrs, lb_ptr, s
     return acc, acc_up
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def moe_lora_shrink_kernel(
     a_ptr, la_ptr, shrunk_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, token_slots_ptr, block_lo_ptr,
     block_hi_ptr, K, P, R, top_k,
@@ -423,7 +423,7 @@ def _moe_tile(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_blocks"])
 def moe_gemm_kernel(
     a_ptr, a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
     shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr,
@@ -506,7 +506,7 @@ def moe_gemm_kernel(
                       BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def moe_sum_kernel(y_ptr, out_ptr, s_ptr, w_ptr, b_ptr, row_slot_ptr, res_ptr, T, H, R, S,
                    stride_yt, stride_yj, stride_ot, stride_st, stride_sj, stride_wt, stride_wj, stride_bs, stride_bh,
                    stride_br, stride_rt,

@@ -40,7 +40,7 @@ def head_norm_rope_ref(y, weight, eps, cos, sin, lora=None) -> torch.Tensor:
     return rope_ref(normed.view(B_, L, -1, D), cos, sin)  # [B, heads, L, D]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "L"])
 def head_norm_rope_kernel(y_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, s_ptr, b_ptr, row_slot_ptr, slot_mask_ptr,
                           T, L, HEADS, R, S, eps, stride_ym, stride_cb, stride_cl, stride_sb, stride_sl,
                           stride_sk, stride_sm, stride_sr, stride_bs, stride_bn, stride_br,

@@ -35,7 +35,7 @@ from .tma import tma_ready
 FP32_DOT = "tf32x3"  # fp32 inputs: 3 TF32 tensor-core products, about fp32 accuracy ("ieee" is ~10x slower)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _partial_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr,  # [N, H], [V, H], [V] (or dummy), [N]
     m_ptr, l_ptr, t_ptr,  # fp32 scratch [V_SPLITS, N]: running max, sum of exp(logit - max), target logit
@@ -93,7 +93,7 @@ def _partial_kernel(
     tl.store(t_ptr + out, t, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _combine_kernel(m_ptr, l_ptr, t_ptr, out_ptr, N, V_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = max_s t[s, i] - logsumexp over splits of (m[s, i], l[s, i])."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -25,7 +25,7 @@ def matmul_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
     return y.to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):

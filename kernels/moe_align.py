@@ -60,7 +60,7 @@ def _bin_of(topk_ids_ptr, token_slots_ptr, pair, mask, top_k, HAS_SLOTS: tl.cons
     return e, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def moe_count_kernel(topk_ids_ptr, token_slots_ptr, counts_ptr, rank_ptr, P, top_k, NS,
                      HAS_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     """counts[e, s] += 1 per pair; rank[pair] = the counter's old value (the pair's place in its bin)."""
@@ -71,7 +71,7 @@ def moe_count_kernel(topk_ids_ptr, token_slots_ptr, counts_ptr, rank_ptr, P, top
     tl.store(rank_ptr + pair, rank, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])
 def moe_place_kernel(
     topk_ids_ptr, token_slots_ptr, counts_ptr, rank_ptr, scratch_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_lo_ptr, block_hi_ptr, num_padded_ptr,

@@ -253,7 +253,7 @@ if HAVE_GLUON:
         gl.store(ptrs, stage.load(layout), mask=row_mask)
         gl.thread_barrier()  # every thread's reads done before the buffer is written again
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["P"])
     def moe_down_kernel(a_desc, w_desc, la_desc, y_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
                         weight_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, pair_shrunk_ptr, shrunk_ptr, lb_ptr,
                         P, top_k, RS, R, stride_ym, la_expert_rows, stride_psm, stride_sm, stride_lbs, stride_lbe,
@@ -437,7 +437,7 @@ if HAVE_GLUON:
             acc_g, acc_u = warpgroup_mma_wait(0, (acc_g, acc_u))  # the buffers are rewritten by the next slot
         return acc_g, acc_u
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["P"])
     def moe_gate_up_kernel(x_ptr, w_desc, out_desc, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
                            token_slots_ptr, block_lo_ptr, block_hi_ptr, shrunk_ptr, lb_ptr, P, top_k, R, stride_xm,
                            stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, I: gl.constexpr,

@@ -61,7 +61,7 @@ def _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "P"])
 def prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, sinks_ptr, L, P, WINDOW, qk_scale,
     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,

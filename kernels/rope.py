@@ -30,7 +30,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return (x * cos[:, :, None] + rotated * sin[:, :, None]).transpose(1, 2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L"])
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, L, HEADS,
                 stride_xb, stride_xl, stride_xh, stride_cb, stride_cl, stride_sb, stride_sl,
                 POSITIONS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):

@@ -27,7 +27,7 @@ def router_topk_ref(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[to
     return weights, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_l, stride_w, stride_i, K: tl.constexpr,
                        RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
