@@ -4,7 +4,7 @@ shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descri
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
     python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms, dense-lora-partials,
-                                                   prefix-attention or batch-invariant;
+                                                   prefix-attention, batch-invariant or batch-shapes;
                                                    prints one line per compiled kernel)
 """
 
@@ -148,6 +148,31 @@ def _batch_invariant():
                torch.empty(4096, dtype=dtype))
 
 
+def _batch_shapes():
+    """Batches of varying shape, as MMLU and compare make (token counts, pair counts, sequence and prefix lengths
+    of every divisibility class by 16): each kernel must compile once, not once per class (kernels/__init__.py)."""
+    from lora_eval.kernels.logprobs import token_logprobs
+    from lora_eval.kernels.matmul import matmul
+    from lora_eval.kernels.prefix_attention import prefix_attention
+    from lora_eval.kernels.rms_norm import rms_norm
+    from lora_eval.kernels.router import router_topk
+
+    bf16 = dict(dtype=torch.bfloat16)
+    for T in (3001, 3008, 3010, 4000):  # pairs per expert 188-250: one MoeConfig
+        _layer(T, {})
+        rms_norm(torch.empty(T, 2048, **bf16), torch.empty(2048, **bf16), 1e-6)
+        router_topk(torch.empty(T, 128), 8, True)
+        matmul(torch.empty(T, 2048, **bf16), torch.empty(512, 2048, **bf16))
+        token_logprobs(torch.empty(T, 2048, **bf16), torch.empty(4096, 2048, **bf16), torch.zeros(T, dtype=torch.long),
+                       v_splits=8)
+    for T in (127, 128, 130):
+        _dense_consumers(T)
+    for L, P in ((100, 600), (112, 601), (113, 608)):
+        q, k = torch.empty(8, 32, L, 128, **bf16), torch.empty(8, 4, L, 128, **bf16)
+        prefix_attention(q, k, k, torch.empty_like(q), torch.arange(8), 0.1, torch.empty(4, P, 128, **bf16),
+                         torch.empty(4, P, 128, **bf16))
+
+
 CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
     "moe-4096": (4096, {}, 16, False),  # gathered activation rows, TMA weights, half-height tails, expand first
     "moe-8192": (8192, {}, 16, False),  # block-ordered activation through TMA, half-height tails, expand first
@@ -177,6 +202,8 @@ if __name__ == "__main__":
         _prefix_attention()
     elif sys.argv[1] == "batch-invariant":
         _batch_invariant()
+    elif sys.argv[1] == "batch-shapes":
+        _batch_shapes()
     elif sys.argv[1] in HOPPER_CASES:
         rank, shared_outer = HOPPER_CASES[sys.argv[1]]
         _layer(8192, {}, rank, shared_outer, hopper=True)

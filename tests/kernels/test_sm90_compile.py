@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,19 @@ SCRIPT = Path(__file__).with_name("sm90_compile.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def compile_case(case: str) -> dict[str, int]:
-    """{kernel name: shared memory bytes} of the kernels CASE compiles for sm_90 (fails the test on any error)."""
+def compiled_kernels(case: str) -> list[tuple[str, int]]:
+    """(kernel name, shared memory bytes) of every kernel binary CASE compiles (or takes from Triton's cache) for
+    sm_90, one per compiled variant (fails the test on any error)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(SCRIPT), case], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return {name: int(size) for name, size in re.findall(r"compiled (\w+): (\d+) bytes", run.stdout)}
+    return [(name, int(size)) for name, size in re.findall(r"compiled (\w+): (\d+) bytes", run.stdout)]
+
+
+def compile_case(case: str) -> dict[str, int]:
+    """{kernel name: shared memory bytes} of the kernels CASE compiles for sm_90."""
+    return dict(compiled_kernels(case))
 
 
 @pytest.mark.parametrize("case", ["moe-4096", "moe-8192", "moe-8192-no-half-tail", "moe-64-rank-32",
@@ -78,3 +85,15 @@ def test_fused_moe_routes_lora_work_to_gluon(case, gluon_gate_up):
     assert ("moe_gate_up_kernel" in compiled) == gluon_gate_up, compiled
     assert "moe_down_kernel" in compiled, compiled
     assert ("moe_gemm_kernel" in compiled) == (not gluon_gate_up), compiled
+
+
+def test_batches_of_varying_shape_compile_each_kernel_once():
+    """Token and pair counts, sequence and prefix lengths of every divisibility class by 16 (MMLU's and compare's
+    batches): one variant per kernel and role (the MoE GEMM and its shrink: gate_up and down), where Triton's
+    specialisation on integer arguments had compiled up to 4 (issue #24: compilation inside the timed forward)."""
+    counts = Counter(name for name, _ in compiled_kernels("batch-shapes"))
+    twice = {"moe_lora_shrink_kernel", "moe_gemm_kernel"}
+    once = {"moe_count_kernel", "moe_place_kernel", "moe_sum_kernel", "_expand_kernel", "_residual_add_kernel",
+            "head_norm_rope_kernel", "prefix_attention_kernel", "rms_norm_kernel", "router_topk_kernel",
+            "matmul_kernel", "_partial_kernel", "_combine_kernel"}
+    assert counts == {**dict.fromkeys(twice, 2), **dict.fromkeys(once, 1)}, counts
