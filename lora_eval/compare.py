@@ -41,6 +41,7 @@ from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, Phases, no_gates,
                       read_run, table_files)
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
+from .runners.compile_clock import COMPILE_CLOCK
 from .tokenizer import load_tokenizer
 
 CONTEXT_TOKENS = 12  # tokens of context shown before a worst token
@@ -122,6 +123,7 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             return read_run(out)
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
+        compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([sum(suffix[i] for i in b) for b in units], "compare", "tok", quiet,
                                             lockstep=options.expert_parallel) as work:
             for u in work.steps(range(len(units))):
@@ -136,7 +138,7 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                 computed = [engine.tokens_computed - before] + [0] * (len(units[u]) - 1)  # the unit's, on its first row
                 work.record(u, pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs],
                                                  tokens_computed=np.asarray(computed, dtype=np.int64))))
-        phases.captured(engine.graph_stats())
+        phases.captured(engine.graph_stats(), COMPILE_CLOCK.seconds - compiled)
 
         def merge(frames: dict[int, pd.DataFrame]) -> CompareResult:
             with phases("metrics"):

@@ -26,6 +26,7 @@ from .forward import BACKENDS, Forward
 from .kernels.tiles import INVARIANT_VOCAB_SPLITS
 from .models import load_model
 from .prefixes import PREFIX_CACHE_BYTES, PrefixCache, PrefixKV
+from .runners.compile_clock import COMPILE_CLOCK
 from .runners.graphs import BucketPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,6 +145,8 @@ class Engine:
         self.backend = backend or ("triton" if device.type == "cuda" else "torch")
         if self.backend not in BACKENDS:
             raise InputError("--backend", f"'{self.backend}' is not one of {', '.join(BACKENDS)}")
+        if self.backend == "triton":
+            COMPILE_CLOCK.install()  # Triton's compiles timed apart from the forwards (runners/compile_clock.py)
         self.logits_budget = logits_budget
         self.batch_invariant = batch_invariant  # EngineOptions.batch_invariant
         self.graphs = None  # CUDA graphs: the Triton path on a GPU only (the torch path is the oracle)

@@ -35,6 +35,7 @@ from .plan import check_fits
 from .prefixes import common_length, grouped_order
 from .report import report_files
 from .results import MmluResult, Phases, read_run, table_files
+from .runners.compile_clock import COMPILE_CLOCK
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
 from .tokenizer import load_tokenizer
 
@@ -158,6 +159,7 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
 
+        compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([len(b) for b in batches], "mmlu", "rows", quiet,
                                             lockstep=options.expert_parallel) as work:
             for b in work.steps(range(len(batches))):
@@ -172,7 +174,7 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 computed = [engine.tokens_computed - before] + [0] * (len(batch) - 1)  # the unit's, on its first row
                 work.record(b, pd.DataFrame({"row": batch, **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
                                              "tokens_computed": np.asarray(computed, dtype=np.int64)}))
-        phases.captured(engine.graph_stats())
+        phases.captured(engine.graph_stats(), COMPILE_CLOCK.seconds - compiled)
 
         def merge(frames: dict[int, pd.DataFrame]) -> MmluResult:
             with phases("metrics"):

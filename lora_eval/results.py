@@ -6,8 +6,9 @@ applied gate, one row per adapter; only its header with --no-adapter-check), rep
 an mmlu run folder mmlu_questions.parquet, mmlu_subjects.csv, mmlu_summary.csv, mmlu.md, report.html and run.json.
 run.json is the run record: the command, its arguments, the fingerprint (runfolder.py), versions, timings, and
 "status": "complete" once the run has finished. A folder without that status is refused. Its timings are the
-phases of `Phases` (seconds): data / read / tokenize (the inputs), load, compile (CUDA-graph capture), forward,
-metrics, write (encoding the tables and rendering the reports) and total_s, from the task's start to its files.
+phases of `Phases` (seconds): data / read / tokenize (the inputs), load, compile (CUDA-graph capture, Triton's
+compiles), forward, metrics, write (encoding the tables and rendering the reports) and total_s, from the task's start
+to its files.
 """
 
 from __future__ import annotations
@@ -65,16 +66,15 @@ class Phases:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + max(seconds, 0.0)
 
-    def captured(self, graph_stats: dict | None) -> None:
-        """The CUDA-graph captures (with their warm-up: Triton compiles) happen inside the forwards: their seconds,
-        as the engine's graph runner counts them (`capture_s` of Engine.graph_stats()), move from forward to
-        compile; 0 without graphs (the CPU, --no-cuda-graphs); left out where the runner does not count them."""
-        if graph_stats is None:
-            self.add("compile", 0.0)
-        elif "capture_s" in graph_stats:
-            seconds = min(float(graph_stats["capture_s"]), self.seconds.get("forward", 0.0))
-            self.seconds["forward"] = self.seconds.get("forward", 0.0) - seconds
-            self.add("compile", seconds)
+    def captured(self, graph_stats: dict | None, compiled_s: float = 0.0) -> None:
+        """The CUDA-graph captures (with their warm-up: Triton compiles) and Triton's compiles in eager forwards
+        (`compiled_s`, runners/compile_clock.py) happen inside the forwards: their seconds, as the engine's graph
+        runner counts them (`capture_s` of Engine.graph_stats()) and as the clock does, move from forward to
+        compile; 0 on the CPU (nothing compiles, no graphs)."""
+        seconds = compiled_s + (float(graph_stats.get("capture_s", 0.0)) if graph_stats else 0.0)
+        seconds = min(seconds, self.seconds.get("forward", 0.0))
+        self.seconds["forward"] = self.seconds.get("forward", 0.0) - seconds
+        self.add("compile", seconds)
 
     def timings(self) -> dict[str, float]:
         order = [p for p in PHASES if p in self.seconds] + [p for p in self.seconds if p not in PHASES]

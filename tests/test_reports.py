@@ -502,26 +502,29 @@ def test_worst_tokens_break_ties_at_the_cut_as_a_full_sort(seed):
         assert list(zip(got["sample_id"], got["position"])) == list(zip(expected["sample_id"], expected["position"]))
 
 
-def test_phases_count_each_phase_and_move_graph_captures_to_compile(seed):
+def test_phases_count_each_phase_and_move_graph_captures_and_compiles_to_compile(seed):
     rng = np.random.default_rng(seed)
     seconds = dict(zip(["write", "forward", "read", "load", "metrics"], rng.uniform(0.01, 5.0, 5)))
     again = float(rng.uniform(0.01, 1.0))
-    capture = float(rng.uniform(0, seconds["forward"]))
-    for graphs, compile_s in ((None, 0.0), (dict(graphs=2), None), (dict(capture_s=capture), capture)):
+    capture, jit = (float(x) for x in rng.uniform(0, seconds["forward"] / 2, 2))
+    for graphs, compiled, compile_s in ((None, 0.0, 0.0), (dict(graphs=2), 0.0, 0.0), (None, jit, jit),
+                                        (dict(capture_s=capture), 0.0, capture),
+                                        (dict(capture_s=capture), jit, capture + jit),
+                                        (dict(capture_s=seconds["forward"]), jit, seconds["forward"])):  # capped
         phases = Phases()
         for name, value in seconds.items():
             phases.add(name, value)
         phases.add("load", again)  # a phase that comes back adds up
         with phases("read"):
             pass
-        phases.captured(graphs)
+        phases.captured(graphs, compiled)
         timings = phases.timings()
-        order = ["read", "load"] + ([] if compile_s is None else ["compile"]) + ["forward", "metrics", "write"]
+        order = ["read", "load", "compile", "forward", "metrics", "write"]
         assert list(timings) == [f"{p}_s" for p in order] + ["total_s"]
         assert timings["load_s"] == seconds["load"] + again
         assert seconds["read"] <= timings["read_s"] < seconds["read"] + 1.0
-        assert timings["forward_s"] == seconds["forward"] - (compile_s or 0.0)
-        assert timings.get("compile_s") == compile_s
+        assert timings["forward_s"] == pytest.approx(seconds["forward"] - compile_s, abs=1e-12)
+        assert timings["compile_s"] == pytest.approx(compile_s, abs=1e-12)
         assert timings["total_s"] >= 0
         text = phase_times(dict(timings=timings))
         assert text == ", ".join(f"{p} {timings[p + '_s']:.2f} s" for p in order) + \

@@ -4,7 +4,8 @@ shared-memory check against the H100's 227 KB — the GPU-only paths (TMA descri
 interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_compile.py does):
 
     python tests/kernels/sm90_compile.py CASE      (CASE: a key of CASES, gluon-gemms, dense-lora-partials,
-                                                   prefix-attention, batch-invariant or batch-shapes;
+                                                   prefix-attention, batch-invariant, batch-shapes or
+                                                   compile-clock;
                                                    prints one line per compiled kernel)
 """
 
@@ -173,6 +174,25 @@ def _batch_shapes():
                          torch.empty(4, P, 128, **bf16))
 
 
+def _compile_clock():
+    """runners/compile_clock.py through real compiles: a hook set before it still runs; a compile counts; one
+    inside `paused` does not."""
+    from triton import knobs
+
+    from lora_eval.kernels.rms_norm import rms_norm
+    from lora_eval.kernels.router import router_topk
+    from lora_eval.runners.compile_clock import COMPILE_CLOCK
+
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda *args, **kwargs: seen.append(kwargs["fn"].name)
+    COMPILE_CLOCK.install()
+    COMPILE_CLOCK.install()  # once per process
+    rms_norm(torch.empty(300, 2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.bfloat16), 1e-6)
+    with COMPILE_CLOCK.paused():
+        router_topk(torch.empty(300, 128), 8, True)
+    print(f"clock: {COMPILE_CLOCK.compiles} compiles, {COMPILE_CLOCK.seconds:.6f} s; earlier hook saw {seen}")
+
+
 CASES = {  # name: (tokens, MoeConfig changes, rank, shared_outer)
     "moe-4096": (4096, {}, 16, False),  # gathered activation rows, TMA weights, half-height tails, expand first
     "moe-8192": (8192, {}, 16, False),  # block-ordered activation through TMA, half-height tails, expand first
@@ -204,6 +224,8 @@ if __name__ == "__main__":
         _batch_invariant()
     elif sys.argv[1] == "batch-shapes":
         _batch_shapes()
+    elif sys.argv[1] == "compile-clock":
+        _compile_clock()
     elif sys.argv[1] in HOPPER_CASES:
         rank, shared_outer = HOPPER_CASES[sys.argv[1]]
         _layer(8192, {}, rank, shared_outer, hopper=True)

@@ -17,14 +17,19 @@ SCRIPT = Path(__file__).with_name("sm90_compile.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def compiled_kernels(case: str) -> list[tuple[str, int]]:
-    """(kernel name, shared memory bytes) of every kernel binary CASE compiles (or takes from Triton's cache) for
-    sm_90, one per compiled variant (fails the test on any error)."""
+def run_case(case: str) -> str:
+    """The output of sm90_compile.py CASE (fails the test on any error)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(SCRIPT), case], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [(name, int(size)) for name, size in re.findall(r"compiled (\w+): (\d+) bytes", run.stdout)]
+    return run.stdout
+
+
+def compiled_kernels(case: str) -> list[tuple[str, int]]:
+    """(kernel name, shared memory bytes) of every kernel binary CASE compiles (or takes from Triton's cache) for
+    sm_90, one per compiled variant."""
+    return [(name, int(size)) for name, size in re.findall(r"compiled (\w+): (\d+) bytes", run_case(case))]
 
 
 def compile_case(case: str) -> dict[str, int]:
@@ -97,3 +102,12 @@ def test_batches_of_varying_shape_compile_each_kernel_once():
             "head_norm_rope_kernel", "prefix_attention_kernel", "rms_norm_kernel", "router_topk_kernel",
             "matmul_kernel", "_partial_kernel", "_combine_kernel"}
     assert counts == {**dict.fromkeys(twice, 2), **dict.fromkeys(once, 1)}, counts
+
+
+def test_compile_clock_counts_compiles_outside_captures_and_keeps_earlier_hooks():
+    """runners/compile_clock.py on real compiles: one kernel compiled (or loaded from Triton's cache) counts, with its
+    seconds; one inside `paused` (a graph capture) does not; a hook set before the clock's still sees both."""
+    out = run_case("compile-clock")
+    compiles, seconds, seen = re.search(r"clock: (\d+) compiles, ([0-9.]+) s; earlier hook saw (.*)", out).groups()
+    assert int(compiles) == 1 and float(seconds) > 0, out
+    assert seen == "['rms_norm_kernel', 'router_topk_kernel']", out
