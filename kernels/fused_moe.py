@@ -307,11 +307,8 @@ def moe_lora_shrink_kernel(
 
 @triton.jit
 def _moe_tile(
-    a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr,
-    block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e, N, K, P, R, RS, top_k, alpha, limit,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be, stride_las, stride_lae, stride_lar,
-    stride_lak, stride_psm,
+    a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R, RS, top_k, swiglu,
+    a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, EXPAND_FIRST: tl.constexpr, SHRINK: tl.constexpr,
@@ -319,9 +316,19 @@ def _moe_tile(
     BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SHRUNK_BY_TOKEN: tl.constexpr,
 ):
-    """The first TILE_M rows (TILE_M <= BLOCK_M) of aligned block pid_m, output columns of N tile pid_n.
-    SHRINK: also the LoRA shrink a @ la[slot, e]^T of the block's rows over the same a tiles (all the block's slots
-    side by side, BLOCK_S * BLOCK_RS columns), stored by pair id into pair_shrunk."""
+    """The first TILE_M rows (TILE_M <= BLOCK_M) of aligned block pid_m, output columns of N tile pid_n (the
+    argument groups as moe_gemm_kernel's). SHRINK: also the LoRA shrink a @ la[slot, e]^T of the block's rows over
+    the same a tiles (all the block's slots side by side, BLOCK_S * BLOCK_RS columns), stored by pair id into
+    pair_shrunk."""
+    sorted_pairs_ptr, _, _, topk_weight_ptr = routing
+    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr = lora
+    la_ptr, pair_shrunk_ptr = pair_shrink
+    alpha, limit = swiglu
+    stride_am, stride_ak = a_strides
+    stride_we, stride_wn, stride_wk = w_strides
+    stride_om, stride_on = out_strides
+    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr = lora_strides
+    stride_las, stride_lae, stride_lar, stride_lak, stride_psm = shrink_strides
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     pair = tl.load(sorted_pairs_ptr + offs_m)
     valid = pair < P
@@ -425,12 +432,8 @@ def _moe_tile(
 
 @triton.jit(do_not_specialize=["P", "num_blocks"])
 def moe_gemm_kernel(
-    a_ptr, a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, topk_weight_ptr,
-    shrunk_ptr, lb_ptr, token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr,
-    N, K, P, R, RS, top_k, num_blocks, alpha, limit,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be, stride_las, stride_lae, stride_lar,
-    stride_lak, stride_psm,
+    a_ptr, a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, N, K, P, R, RS, top_k, num_blocks,
+    swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, EXPAND_FIRST: tl.constexpr, HALF_TAIL: tl.constexpr,
@@ -438,7 +441,11 @@ def moe_gemm_kernel(
     BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr, BLOCK_S: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SHRUNK_BY_TOKEN: tl.constexpr,
 ):
-    """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes).
+    """out[pair, n] for the pairs of one aligned block and BLOCK_N output columns (see module notes). Argument groups
+    (tuples): routing (sorted_pairs, block_expert, num_padded, topk_weight pointers); lora (shrunk, lb, token_slots,
+    block_lo, block_hi pointers); pair_shrink (la, pair_shrunk pointers); swiglu (alpha, limit); a_strides (m, k);
+    w_strides (e, n, k); out_strides (m, n); lora_strides (shrunk m; lb s, e, n, r); shrink_strides (la s, e, r, k;
+    pair_shrunk m).
     GATED: w rows [0, N) are gate and [N, 2N) up; the output is silu(gate) * up (CLAMPED_SWIGLU: GPT-OSS's form).
     HAS_BIAS: bias [E, N] (GATED: [E, 2N]) added before the activation / the routing weight.
     SHRUNK_BY_TOKEN: the LoRA shrink is indexed by token row (A shared by all experts) instead of by block row.
@@ -457,6 +464,7 @@ def moe_gemm_kernel(
     size_m = tl.minimum(num_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
     pid_n = (pid % (GROUP_M * num_n)) // size_m
+    sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, _ = routing
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -467,41 +475,33 @@ def moe_gemm_kernel(
     else:
         half: tl.constexpr = False
     if PAIR_SHRINK:
-        shrink = (pid_n == 0) & (tl.load(block_hi_ptr + pid_m) >= 0)
+        shrink = (pid_n == 0) & (tl.load(lora[4] + pid_m) >= 0)  # the block's last slot (block_hi): an adapter row
     else:
         shrink: tl.constexpr = False
     if half:
         if shrink:
-            _moe_tile(a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
-                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
-                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
-                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+            _moe_tile(a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
+                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
                       CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M // 2,
                       BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
         else:
-            _moe_tile(a_half_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
-                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
-                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
-                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+            _moe_tile(a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
+                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
                       CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M // 2,
                       BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
     else:
         if shrink:
-            _moe_tile(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
-                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
-                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
-                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+            _moe_tile(a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
+                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
                       CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M,
                       BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
         else:
-            _moe_tile(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, topk_weight_ptr, shrunk_ptr, lb_ptr,
-                      token_slots_ptr, block_lo_ptr, block_hi_ptr, bias_ptr, la_ptr, pair_shrunk_ptr, pid_m, pid_n, e,
-                      N, K, P, R, RS, top_k, alpha, limit, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-                      stride_om, stride_on, stride_sm, stride_lbs, stride_lbe, stride_lbn, stride_lbr, stride_be,
-                      stride_las, stride_lae, stride_lar, stride_lak, stride_psm, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
+            _moe_tile(a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
+                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
                       CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M,
                       BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
 
@@ -664,14 +664,15 @@ def moe_gemm(a, w, out, align, *, gated, rows_are_tokens, top_k, topk_weights=No
     w_arg = TensorDescriptor.from_tensor(w, [1, config["BLOCK_N"], config["BLOCK_K"]]) if w_tma else w
     a_arg = TensorDescriptor.from_tensor(a, [BM, config["BLOCK_K"]]) if a_tma else a
     a_half = TensorDescriptor.from_tensor(a, [BM // 2, config["BLOCK_K"]]) if a_tma and half_tail else a_arg
+    routing = (align.sorted_pairs, align.block_expert, align.num_padded,
+               topk_weights if topk_weights is not None else a)
+    lora = (shrunk, lb, *(t if t is not None else a for t in (align.token_slots, align.block_slot_lo,
+                                                              align.block_slot_hi)))
     moe_gemm_kernel[grid](
-        a_arg, a_half, w_arg, out, align.sorted_pairs, align.block_expert, align.num_padded,
-        topk_weights if topk_weights is not None else a,
-        shrunk, lb, *(t if t is not None else a for t in (align.token_slots, align.block_slot_lo, align.block_slot_hi)),
-        bias if bias is not None else a, *shrink_args[:2],
-        N, K, align.num_pairs, R, shrink_args[2], top_k, align.num_blocks, alpha, limit,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        *lora_strides, bias.stride(0) if bias is not None else 0, *shrink_args[3:],
+        a_arg, a_half, w_arg, out, routing, lora, bias if bias is not None else a, tuple(shrink_args[:2]),
+        N, K, align.num_pairs, R, shrink_args[2], top_k, align.num_blocks, (alpha, limit),
+        (a.stride(0), a.stride(1)), (w.stride(0), w.stride(1), w.stride(2)), (out.stride(0), out.stride(1)),
+        tuple(lora_strides), bias.stride(0) if bias is not None else 0, tuple(shrink_args[3:]),
         GATED=gated, ROWS_ARE_TOKENS=rows_are_tokens, W_TMA=w_tma, A_TMA=a_tma, A_SORTED=a_sorted,
         OUT_SORTED=out_sorted, MUL_WEIGHT=topk_weights is not None,
         HAS_LORA=lora_B is not None, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=activation == "clamped_swiglu",

@@ -11,6 +11,7 @@ interpreter never compiles. Run as a script without TRITON_INTERPRET (test_sm90_
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from dataclasses import replace
 
@@ -27,7 +28,10 @@ class _Utils:
                 "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
 
     def load_binary(self, name, kernel, shared, device):
-        print(f"compiled {name}: {shared} bytes of shared memory", flush=True)
+        # the binary's digest: a refactor that must not change the code compares it before and after (with
+        # TRITON_DISABLE_LINE_INFO=1, as line numbers are part of the binary)
+        print(f"compiled {name}: {shared} bytes of shared memory, cubin {hashlib.sha256(kernel).hexdigest()[:16]}",
+              flush=True)
         return 1, 1, 0, 0, 1024  # module, function, registers, spills, max threads
 
 
