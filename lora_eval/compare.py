@@ -29,13 +29,13 @@ import torch
 from .adapters import Adapter
 from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
-from .engine import Batch, Engine, EngineOptions, read_adapters
+from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
 from .names import BASE, OVERALL
 from .plan import check_fits
-from .prefixes import MIN_SHARED_TOKENS, grouped_order, shared_prefix_lengths
+from .prefixes import MIN_SHARED_TOKENS, grouped_order, prefix_bytes_per_token, shared_prefix_lengths
 from .references import read_reference
 from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, Phases, no_gates,
@@ -83,7 +83,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                          max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
                          check_adapters=check_adapters)
         with phases("read"):  # the references, read and checked, and the work planned from their token ids
-            refs = _read_references(references, adapters, model_config(model)[1].vocab_size)
+            args = model_config(model)[1]
+            refs = _read_references(references, adapters, args.vocab_size)
             lengths = [len(ids) for ids in refs["input_ids"]]
             use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
             if options.prefix_cache and options.expert_parallel:
@@ -99,8 +100,13 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             parsed = None if engine is not None else read_adapters(model, adapters, options)
             static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
         with phases("read"):
-            batches = batches_in_order(grouped_order(suffix, group), suffix, batch_tokens) if use_prefixes \
-                else make_batches(lengths, batch_tokens)
+            if use_prefixes:  # groups chunked as the prefix cache holds them (prefixes.grouped_order)
+                per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
+                group_bytes = {g: p * per_token for g, p in zip(group, prefix)}
+                cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
+                batches = batches_in_order(grouped_order(suffix, group, group_bytes, cache), suffix, batch_tokens)
+            else:
+                batches = make_batches(lengths, batch_tokens)
             # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)
             sampled = gate_sample(refs, list(adapters)) if check_adapters else {}
             gate_rows = [i for rows in sampled.values() for i in rows]

@@ -24,7 +24,7 @@ import pandas as pd
 
 from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
-from .engine import Batch, Engine, EngineOptions, read_adapters
+from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .mmlu_data import LETTERS, check_shots, read_split, select
@@ -32,7 +32,7 @@ from .mmlu_prompts import answer_tokens, tokenize_prompts
 from .mmlu_stats import question_table, subject_table, summary_table
 from .names import BASE
 from .plan import check_fits
-from .prefixes import common_length, grouped_order
+from .prefixes import common_length, grouped_order, prefix_bytes_per_token
 from .report import report_files
 from .results import MmluResult, Phases, read_run, table_files
 from .runners.compile_clock import COMPILE_CLOCK
@@ -138,8 +138,11 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 groups, shared = subject_prefixes(questions, used, ids)
                 rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
                 suffix = [n - p for n, p in zip(lengths, rows_prefix)]
-                batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags]),
-                                           suffix, batch_tokens)
+                per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
+                group_bytes = {g: shared[q] * per_token * len(tags) for q, g in enumerate(groups)}  # every model's
+                cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
+                batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags],
+                                                         group_bytes, cache), suffix, batch_tokens)
             else:
                 rows_prefix, suffix = None, lengths
                 batches = make_batches(lengths, batch_tokens)

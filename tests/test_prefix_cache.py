@@ -32,7 +32,8 @@ import torch
 
 import lora_eval
 from lora_eval import Batch, Engine
-from lora_eval.prefixes import shared_prefix_lengths
+from lora_eval.engine import DTYPES
+from lora_eval.prefixes import grouped_order, prefix_bytes_per_token, shared_prefix_lengths
 from lora_eval.references import write_reference
 from tests.builders import save_random_model, save_random_peft_adapter_any
 from tests.conftest import CPU, MOE_OVERRIDES
@@ -170,6 +171,8 @@ def test_mmlu_with_and_without_the_prefix_cache(tmp_path_factory, session_seed):
           f"{run['tokens_full_prompts']:,} ({share:.1%})")
     assert diff < TOL
     assert share <= 0.25 and run["prefix_cache"]["enabled"]
+    stats = run["prefix_cache"]["this_process"]  # the subjects' prefixes fit the cache: each computed once
+    assert stats["prefixes_computed"] == 2 * len(RIG_SUBJECTS) and stats["prefixes_evicted"] == 0, stats
     plain = json.loads((root / "full" / "run.json").read_text())
     assert plain["tokens_computed"] == plain["tokens_full_prompts"] == run["tokens_full_prompts"]
     assert not plain["prefix_cache"]["enabled"]
@@ -266,6 +269,44 @@ def test_compare_with_prefixes_data_parallel_and_resumed_byte_identical(moe_mode
 
 
 # ---- grouping ----------------------------------------------------------------------------------------------
+
+
+def test_prefix_bytes_per_token_is_what_a_computed_prefix_holds(family_engine, seed):
+    """The estimate tasks chunk their groups by (prefixes.prefix_bytes_per_token) against the bytes of a prefix the
+    engine computed and cached (keys and values of every layer, MLA's decompressed; its logprobs)."""
+    family, _, engine = family_engine
+    engine.prefix_cache.clear()
+    batch = prefixed_batch(seed)
+    engine.logprobs(Batch(batch.input_ids[:1], [None], batch.prefixes[:1]))
+    (entry,) = engine.prefix_cache.entries.values()
+    dtype = DTYPES[CPU.dtype] if CPU.dtype != "auto" else torch.float32
+    assert entry.nbytes == entry.length * prefix_bytes_per_token(engine.model.args, dtype), family
+
+
+def test_grouped_order_chunks_the_groups_a_cache_holds(seed):
+    """Groups in key order, gathered into the longest runs whose prefix bytes fit the budget (a group larger than the
+    budget alone); inside a chunk rows by length; without sizes, a chunk per group (group, then length)."""
+    rng = random.Random(seed)
+    groups = [rng.randrange(12) for _ in range(300)] + list(range(12)) * 2
+    lengths = [rng.randrange(2, 200) for _ in range(300)] + [1] * 12 + [200] * 12  # every group from 1 to 200
+    sizes = {g: rng.randrange(1, 60) for g in set(groups)}
+    budget = 100
+    order = grouped_order(lengths, groups, sizes, budget)
+    assert sorted(order) == list(range(len(groups)))
+    chunks = []
+    for i in order:  # chunks: runs of rows whose lengths do not drop (each chunk runs from 1 to 200)
+        if not chunks or lengths[i] < lengths[chunks[-1][-1]]:
+            chunks.append([])
+        chunks[-1].append(i)
+    keys = sorted(sizes)
+    members = [sorted({groups[i] for i in c}) for c in chunks]
+    assert [g for m in members for g in m] == keys  # consecutive groups, each in one chunk, in key order
+    for m, after in zip(members, members[1:] + [None]):
+        total = sum(sizes[g] for g in m)
+        assert total <= budget or len(m) == 1
+        if after is not None:  # the longest run that fits
+            assert total + sizes[after[0]] > budget
+    assert grouped_order(lengths, groups) == sorted(range(len(groups)), key=lambda i: (groups[i], lengths[i], i))
 
 
 def test_shared_leading_tokens_are_grouped(seed):
