@@ -482,28 +482,28 @@ def moe_gemm_kernel(
         if shrink:
             _moe_tile(a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
                       RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
-                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M // 2,
-                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
+                      OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
+                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
         else:
             _moe_tile(a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
                       RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
-                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M // 2,
-                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
+                      OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
+                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
     else:
         if shrink:
             _moe_tile(a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
                       RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
-                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M,
-                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
+                      OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
+                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
         else:
             _moe_tile(a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
                       RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS,
-                      CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M,
-                      BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
+                      OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
+                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -218,6 +218,10 @@ HOPPER_CASES = {  # name: (LoRA rank, shared_outer); the 8192-token layer with t
 
 if __name__ == "__main__":
     driver.set_active(StandInHopper())
+    if sys.argv[1] != "compile-clock":  # as the engine runs: Triton's JIT hooks set (runners/compile_clock.py)
+        from lora_eval.runners.compile_clock import COMPILE_CLOCK
+
+        COMPILE_CLOCK.install()
     if sys.argv[1] == "gluon-gemms":
         _gluon_gemms(8192)
     elif sys.argv[1] == "dense-lora-partials":
