@@ -11,7 +11,7 @@ def make_batches(lengths: list[int], budget: int) -> list[list[int]]:
 
 def batches_in_order(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """make_batches's rule (rows x longest length <= budget; a longer row alone) over rows taken in `order` (by
-    length there; by shared-prefix group, then length, for prefixes.grouped_order)."""
+    length there; by chunk of shared-prefix groups, then length, for prefixes.grouped_order)."""
     if budget < 1:
         raise ValueError(f"the token budget must be positive, got {budget}")
     batches, current, longest = [], [], 0

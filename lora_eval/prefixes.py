@@ -19,8 +19,9 @@ every entry; an entry larger than the whole budget is used by its batch and not 
 its peak, the entries computed, reused and evicted.
 
 The task side: `shared_prefix_lengths` finds leading token ids that sequences share (an RL group's N completions of
-one prompt, a common system prompt) from the ids alone; `grouped_order` puts a group's rows next to each other so
-that batches made in that order need few prefixes at a time (the cache stays small and rarely evicts).
+one prompt, a common system prompt) from the ids alone; `grouped_order` gathers groups into chunks whose prefixes
+the cache holds together and orders rows by length inside a chunk, so that batches made in that order pad little and
+every prefix is computed once.
 """
 
 from __future__ import annotations
