@@ -23,11 +23,12 @@ from .distributed import Ranks
 from .errors import InputError
 from .expert_parallel import ExpertParallel
 from .forward import BACKENDS, Forward
+from .kernels.logprobs import token_logprobs
 from .kernels.tiles import INVARIANT_VOCAB_SPLITS
 from .models import load_model
 from .prefixes import PREFIX_CACHE_BYTES, PrefixCache, PrefixKV
 from .runners.compile_clock import COMPILE_CLOCK
-from .runners.graphs import BucketPlan
+from .runners.graphs import BucketPlan, GraphRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
@@ -151,8 +152,6 @@ class Engine:
         self.batch_invariant = batch_invariant  # EngineOptions.batch_invariant
         self.graphs = None  # CUDA graphs: the Triton path on a GPU only (the torch path is the oracle)
         if cuda_graphs and device.type == "cuda" and self.backend == "triton" and expert_parallel is None:
-            from .runners.graphs import GraphRunner
-
             self.graphs = GraphRunner(self._build, device, graph_plan)
 
     @classmethod
@@ -247,8 +246,6 @@ class Engine:
             if "lm_head" in table:
                 head_slots |= table["lm_head"].slots
         if self.backend == "triton" and rows.numel():
-            from .kernels.logprobs import token_logprobs
-
             out = token_logprobs(hidden[rows_dev], head.weight, targets, head.bias,  # [N], no [N, V] tensor
                                  v_splits=INVARIANT_VOCAB_SPLITS if self.batch_invariant else None)
             # rows whose adapter changes lm_head: recomputed below; the others keep the fused result

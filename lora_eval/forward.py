@@ -25,13 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from .adapters.targets import layer_of
-from .kernels.dense_lora import dense_lora_ref, embedding_lora_ref
-from .kernels.fused_moe import fused_moe_ref
+from .kernels.dense_lora import (dense_lora, dense_lora_expand, dense_lora_ref, dense_lora_shrink, embedding_lora,
+                                 embedding_lora_ref, lora_residual_add)
+from .kernels.fused_moe import fused_moe, fused_moe_ref, pick_config
+from .kernels.head_norm_rope import head_norm_rope
 from .kernels.linear import linear_ref
+from .kernels.lora_meta import lora_metadata
 from .kernels.matmul import matmul
 from .kernels.prefix_attention import prefix_attention
-from .kernels.rms_norm import rms_norm_ref
-from .kernels.rope import rope_ref
+from .kernels.rms_norm import rms_norm, rms_norm_ref
+from .kernels.rope import rope, rope_ref
 from .kernels.router import router_topk, router_topk_ref
 from .kernels.tiles import INVARIANT_MOE, INVARIANT_SHRINK_SPLITS
 
@@ -75,8 +78,6 @@ class Forward:
         if self.stack is None:
             return
         if self.triton:
-            from .kernels.lora_meta import lora_metadata
-
             self.meta = lora_metadata(token_slots, len(self.stack.names))
         else:
             present = [s for s in torch.unique(token_slots).tolist() if s >= 0]
@@ -148,8 +149,6 @@ class Forward:
         lora = self.stack.dense.get(module.site) if with_lora else None
         if lora is not None:
             if self.triton:
-                from .kernels.dense_lora import dense_lora, dense_lora_shrink, lora_residual_add
-
                 if residual is not None:
                     shrunk = dense_lora_shrink(x, lora.A, self.meta, slot_mask=lora.slot_mask,
                                                splits=self.splits)  # [splits, T, R]
@@ -179,8 +178,6 @@ class Forward:
         lora = self.stack.dense.get(module.site)
         if lora is not None:
             if self.triton:
-                from .kernels.dense_lora import dense_lora
-
                 dense_lora(y, x, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask,
                            splits=self.splits)  # float32 y, expand in place
             else:
@@ -203,8 +200,6 @@ class Forward:
         if group is None or any(m.site in self.stack.dense and m.site not in group.columns for m in modules):
             return [self._head_norm_rope(norm, self.linear(m, x, y=y), rope)
                     for m, norm, y in zip(modules, head_norms, bases)]
-        from .kernels.dense_lora import dense_lora_expand, dense_lora_shrink
-        from .kernels.head_norm_rope import head_norm_rope
 
         shrunk = dense_lora_shrink(x, group.A, self.meta, slot_mask=group.slot_mask,
                                    splits=self.splits)  # [splits, T, sum R]
@@ -243,8 +238,6 @@ class Forward:
         B, L, _ = cos.shape
         D = norm.weight.shape[0]
         if self._fused_head_norm(norm, rope):
-            from .kernels.head_norm_rope import head_norm_rope
-
             out = head_norm_rope(y, norm.weight, norm.eps, cos, sin)  # [B, heads, L, D]
             override = self.stack.overrides.get(norm.site) if self.stack is not None else None
             for s in override.slots if override is not None else ():  # adapters' own norm weights (rare)
@@ -256,8 +249,6 @@ class Forward:
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
-            from .kernels.rms_norm import rms_norm
-
             norm = rms_norm
         else:
             norm = rms_norm_ref
@@ -271,8 +262,6 @@ class Forward:
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x [B, L, heads, D] by cos/sin [B, L, D] -> [B, heads, L, D], the attention layout."""
         if self.triton and x.stride(-1) == 1 and (x.shape[-1] // 2) & (x.shape[-1] // 2 - 1) == 0:
-            from .kernels.rope import rope
-
             return rope(x, cos, sin)
         return rope_ref(x, cos, sin)
 
@@ -287,8 +276,6 @@ class Forward:
         lora = self.stack.embedding.get(module.site)
         if lora is not None:
             if self.triton:
-                from .kernels.dense_lora import embedding_lora
-
                 embedding_lora(h, ids, lora.A, lora.B, self.meta, slot_mask=lora.slot_mask)
             else:
                 embedding_lora_ref(h, ids, lora.A, lora.B, self._groups(lora.slots))
@@ -313,8 +300,6 @@ class Forward:
         lora = self.stack.experts.get(experts.site) if self.stack is not None else None
         variant = experts.variant()
         if self.triton:
-            from .kernels.fused_moe import fused_moe, pick_config
-
             table = {None: INVARIANT_MOE} if self.invariant else self.moe_configs
             config = None if table is None else pick_config(*topk_ids.shape, experts.down_proj.shape[0], x.dtype,
                                                             table)

@@ -279,8 +279,7 @@ def test_prefix_bytes_per_token_is_what_a_computed_prefix_holds(family_engine, s
     batch = prefixed_batch(seed)
     engine.logprobs(Batch(batch.input_ids[:1], [None], batch.prefixes[:1]))
     (entry,) = engine.prefix_cache.entries.values()
-    dtype = DTYPES[CPU.dtype] if CPU.dtype != "auto" else torch.float32
-    assert entry.nbytes == entry.length * prefix_bytes_per_token(engine.model.args, dtype), family
+    assert entry.nbytes == entry.length * prefix_bytes_per_token(engine.model.args, DTYPES[CPU.dtype]), family
 
 
 def test_grouped_order_chunks_the_groups_a_cache_holds(seed):
