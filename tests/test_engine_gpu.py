@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lora_eval import Batch, Engine
+from lora_eval import forward
 from lora_eval.adapters import load_adapter
 from lora_eval.kernels import dense_lora, head_norm_rope
 from lora_eval.models import load_model
@@ -54,17 +55,19 @@ def test_triton_backend_matches_torch_in_the_interpreter(moe_model, adapters, se
     seqs = random_sequences(6, VOCAB, seed=seed, max_len=14)
     tags = ["peft", "heads" if with_head_lora else "tinker", "tinker", None, "peft", None]
     ref = run(moe_model, adapters, "torch", "cpu", torch.float32, seqs, tags)
+    # spies where the forward calls them (its own imports) and, for the shrink, inside dense_lora() too
     widths = []
     shrink = dense_lora.dense_lora_shrink
-    monkeypatch.setattr(dense_lora, "dense_lora_shrink",
-                        lambda x, A, *args, **kw: widths.append(A.shape[1]) or shrink(x, A, *args, **kw))
+    spy = lambda x, A, *args, **kw: widths.append(A.shape[1]) or shrink(x, A, *args, **kw)  # noqa: E731
+    for module in (forward, dense_lora):
+        monkeypatch.setattr(module, "dense_lora_shrink", spy)
     head_norm_widths = []  # q/k widths whose LoRA expand ran inside their norm + RoPE
     fused = head_norm_rope.head_norm_rope
-    monkeypatch.setattr(head_norm_rope, "head_norm_rope", lambda y, *args, lora=None: (
+    monkeypatch.setattr(forward, "head_norm_rope", lambda y, *args, lora=None: (
         lora is not None and head_norm_widths.append(y.shape[1])) or fused(y, *args, lora=lora))
     residual_adds = []
     residual_add = dense_lora.lora_residual_add
-    monkeypatch.setattr(dense_lora, "lora_residual_add",
+    monkeypatch.setattr(forward, "lora_residual_add",
                         lambda h, *args, **kw: residual_adds.append(h.shape) or residual_add(h, *args, **kw))
     out = run(moe_model, adapters, "triton", "cpu", torch.float32, seqs, tags)
     assert max((a - b).abs().max().item() for a, b in zip(ref, out)) < 1e-4
