@@ -7,6 +7,10 @@ two runs' log-probabilities of A-D are set side by side (the GPU's bf16 agreemen
     python benchmarks/mmlu_gpu.py --data DIR [--layers 48] [--subjects a,b] [--both-prefix-modes] [--out DIR]
     (a dry run on the CPU: --device cpu --dtype float32 --config TINY.json --subjects ...)
 
+--profile runs the same task once more (prefix cache emptied, kernels already compiled) under torch.profiler and
+writes OUT/profile.txt: the device's kernel time against the wall time, split into the prefix passes, the
+questions' forwards and the rest, and the top operators by device and by host time (where MMLU's time goes).
+
 The model has no tokenizer of its own here: a byte-level BPE (32k) trained on the MMLU text itself stands in
 (prompts come out about as long as with a real 150k-vocabulary tokenizer: see the printed mean length). The
 weights are made on the device and shared with our model (lora_eval.bench), no checkpoint is written.
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from lora_eval import mmlu
 from lora_eval.adapters import load_adapter
@@ -43,6 +48,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--both-prefix-modes", action="store_true",
                         help="run again without the shared-prefix cache and compare the two runs")
+    parser.add_argument("--profile", action="store_true", help="then once more under torch.profiler (profile.txt)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -73,6 +79,8 @@ def main():
                 options=EngineOptions(device=args.device, dtype=args.dtype, prefix_cache=prefix_cache),
                 batch_tokens=args.batch_tokens, quiet=True, overwrite=True, engine=engine)
             report(results[prefix_cache], config, dev, build_s, time.perf_counter() - t1, prefix_cache)
+        if args.profile:
+            profiled(engine, folder, args, Path(args.out))
     if len(results) == 2:
         a, b = (results[m].questions for m in (True, False))
         lp = [f"lp_{x}" for x in "ABCD"]
@@ -80,6 +88,43 @@ def main():
         print(f"prefix cache vs full prompts: {d.size} log-probabilities, max |d| {abs(d).max():.3g}, "
               f"mean |d| {abs(d).mean():.3g}, identical {bool((d == 0).all())}; predictions differ on "
               f"{int((a['prediction'] != b['prediction']).sum())} of {len(a)} (model, question) rows")
+
+
+def profiled(engine, folder, args, out: Path):
+    """The prefix-cache run again under torch.profiler, its prefix passes and question forwards labelled."""
+    engine.prefix_cache.clear()
+    labelled = {}
+    for name, label in (("_prefix_entries", "prefix passes"), ("_forward", "forwards"),
+                        ("next_token_logprobs", "task batches")):
+        method = getattr(Engine, name)
+        labelled[name] = method
+
+        def wrapped(*a, _method=method, _label=label, **k):
+            with record_function(_label):
+                return _method(*a, **k)
+        setattr(Engine, name, wrapped)
+    try:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            mmlu(folder, data=args.data, out=out / "profiled", shots=5, subjects=args.subjects,
+                 options=EngineOptions(device=args.device, dtype=args.dtype), batch_tokens=args.batch_tokens,
+                 quiet=True, overwrite=True, engine=engine)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+        wall = time.perf_counter() - t0
+    finally:
+        for name, method in labelled.items():
+            setattr(Engine, name, method)
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events if e.device_type.name != "CPU") / 1e6
+    ranges = {e.key: e for e in events if e.key in ("prefix passes", "forwards", "task batches")}
+    lines = [f"wall {wall:.2f} s under the profiler; device kernels {kernels:.2f} s ({kernels / wall:.0%} busy)"]
+    lines += [f"{k}: host {e.cpu_time_total / 1e6:.2f} s, device {e.device_time_total / 1e6:.2f} s, {e.count} calls"
+              for k, e in ranges.items()]
+    lines += ["", events.table(sort_by="self_device_time_total", row_limit=30),
+              events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    (out / "profile.txt").write_text("\n".join(lines))
+    print("\n".join(lines[:4]))
 
 
 def report(result, config, dev, build_s, wall_s, prefix_cache):
