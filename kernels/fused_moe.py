@@ -478,32 +478,18 @@ def moe_gemm_kernel(
         shrink = (pid_n == 0) & (tl.load(lora[4] + pid_m) >= 0)  # the block's last slot (block_hi): an adapter row
     else:
         shrink: tl.constexpr = False
-    if half:
-        if shrink:
-            _moe_tile(a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
-                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
-                      OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
-                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
-        else:
-            _moe_tile(a_half_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
-                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
-                      OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
-                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
-    else:
-        if shrink:
-            _moe_tile(a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
-                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
-                      OUT_SORTED, EXPAND_FIRST, True, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
-                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
-        else:
-            _moe_tile(a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink, pid_m, pid_n, e, N, K, P, R,
-                      RS, top_k, swiglu, a_strides, w_strides, out_strides, lora_strides, stride_be, shrink_strides,
-                      GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA, HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED,
-                      OUT_SORTED, EXPAND_FIRST, False, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS,
-                      BLOCK_S, DOT_PRECISION, SHRUNK_BY_TOKEN)
+    # one tile variant per (half, shrink): each a compile-time instance of the tile (its height and the shrink are
+    # constexprs); the variants a switched-off feature cannot reach are not compiled
+    for HALF in tl.static_range(2 if HALF_TAIL else 1):
+        if half == (HALF == 1):
+            for SHRINK in tl.static_range(2 if PAIR_SHRINK else 1):
+                if shrink == (SHRINK == 1):
+                    _moe_tile(a_half_ptr if HALF else a_ptr, w_ptr, out_ptr, routing, lora, bias_ptr, pair_shrink,
+                              pid_m, pid_n, e, N, K, P, R, RS, top_k, swiglu, a_strides, w_strides, out_strides,
+                              lora_strides, stride_be, shrink_strides, GATED, ROWS_ARE_TOKENS, MUL_WEIGHT, HAS_LORA,
+                              HAS_BIAS, CLAMPED_SWIGLU, W_TMA, A_TMA, A_SORTED, OUT_SORTED, EXPAND_FIRST, SHRINK == 1,
+                              BLOCK_M, BLOCK_M // (1 + HALF), BLOCK_N, BLOCK_K, BLOCK_R, BLOCK_RS, BLOCK_S,
+                              DOT_PRECISION, SHRUNK_BY_TOKEN)
 
 
 @triton.jit(do_not_specialize=["T"])
