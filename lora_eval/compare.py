@@ -132,18 +132,23 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([sum(suffix[i] for i in b) for b in units], "compare", "tok", quiet,
                                             lockstep=options.expert_parallel) as work:
-            for u in work.steps(range(len(units))):
+            def start(u):
                 if u is None:
-                    engine.stand_in()
-                    continue
+                    return engine.stand_in()
                 rows = refs.iloc[units[u]]
                 tags = [a if isinstance(a, str) and u < len(batches) else None for a in rows["adapter"]]
                 before = engine.tokens_computed
-                logprobs = engine.logprobs(Batch(list(rows["input_ids"]), tags,
-                                                 [prefix[i] for i in units[u]] if use_prefixes else None))
-                computed = [engine.tokens_computed - before] + [0] * (len(units[u]) - 1)  # the unit's, on its first row
-                work.record(u, pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs],
-                                                 tokens_computed=np.asarray(computed, dtype=np.int64))))
+                logprobs = engine.start_logprobs(Batch(list(rows["input_ids"]), tags,
+                                                       [prefix[i] for i in units[u]] if use_prefixes else None))
+                return logprobs, engine.tokens_computed - before
+
+            def finish(u, started):
+                logprobs, computed = started[0].get(), started[1]
+                return pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs],
+                                         tokens_computed=np.asarray([computed] + [0] * (len(units[u]) - 1),
+                                                                    dtype=np.int64)))  # the unit's, on its first row
+
+            work.overlapped(range(len(units)), start, finish)
         phases.captured(engine.graph_stats(), COMPILE_CLOCK.seconds - compiled)
 
         def merge(frames: dict[int, pd.DataFrame]) -> CompareResult:

@@ -22,7 +22,7 @@ from .adapters import Adapter, AdapterStack, load_adapter
 from .distributed import Ranks
 from .errors import InputError
 from .expert_parallel import ExpertParallel
-from .forward import BACKENDS, Forward
+from .forward import BACKENDS, Forward, to_device
 from .kernels.logprobs import token_logprobs
 from .kernels.tiles import INVARIANT_VOCAB_SPLITS
 from .models import load_model
@@ -182,11 +182,16 @@ class Engine:
     def adapter_names(self) -> list[str]:
         return [a.name for a in self.adapters]
 
-    @torch.inference_mode()
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
         """Per row, float32 logprobs [len-1] of each next token, on the CPU. A row with a shared prefix of p tokens
         (Batch.prefixes) takes lp[0..p-1] from its prefix's pass (over its first p + 1 tokens, computed once per
         those tokens and adapter) and the rest from a pass over tokens p.. only."""
+        return self.start_logprobs(batch).get()
+
+    @torch.inference_mode()
+    def start_logprobs(self, batch: Batch) -> "HostResult":
+        """`logprobs(batch)` queued on the device: its `get()` waits for this batch's result alone, so that a task
+        can prepare and queue the next batch meanwhile (a new prefix's pass waits for its own logprobs)."""
         vocab = self.model.args.vocab_size
         slots = [self._slot(name, i) for i, name in enumerate(batch.adapters)]
         for i, ids in enumerate(batch.input_ids):
@@ -199,8 +204,8 @@ class Engine:
             return self._logprobs(batch.input_ids, slots)
         entries = self._prefix_entries(batch, slots, with_logprobs=True)
         rows = [ids if e is None else ids[e.length:] for ids, e in zip(batch.input_ids, entries)]
-        out = self._logprobs(rows, slots, entries)
-        return [lp if e is None else torch.cat([e.logprobs, lp]) for lp, e in zip(out, entries)]
+        return self._logprobs(rows, slots, entries, joined=lambda out: [
+            lp if e is None else torch.cat([e.logprobs, lp]) for lp, e in zip(out, entries)])
 
     def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool) -> list[PrefixKV | None]:
         """Per row its prefix's PrefixKV (None without one), from the cache or computed now, alone (see prefixes.py
@@ -216,7 +221,7 @@ class Engine:
             if entry is None:
                 kept = []
                 if with_logprobs:
-                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept))[0]  # [p]
+                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept)).get()[0]  # [p]
                 else:
                     self._forward([list(key[2])], [slot], capture=(p, kept))
                     lp = None
@@ -228,18 +233,18 @@ class Engine:
         return entries
 
     def _logprobs(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
-                  capture: tuple | None = None) -> list[torch.Tensor]:
-        """`logprobs` of checked rows (a row may be a single token: a suffix); `prefixes` per row PrefixKV or None;
-        `capture`: Forward's (a prefix pass)."""
+                  capture: tuple | None = None, joined=None) -> "HostResult":
+        """`start_logprobs` of checked rows (a row may be a single token: a suffix); `prefixes` per row PrefixKV or
+        None; `capture`: Forward's (a prefix pass); `joined`: applied to the rows' logprobs once on the host."""
         device = self.model.inv_freq.device
         vocab = self.model.args.vocab_size
         lengths = [len(ids) for ids in input_ids]
         hidden, L, with_lora = self._forward(input_ids, slots, prefixes, capture)  # [B'*L, H]
-        fwd = _LazyForward(self, lengths, slots, L, with_lora)
+        fwd = _LazyForward(self, lengths, slots, L, with_lora, hidden.shape[0] // L)
         # positions whose next token exists, and that token
         rows = torch.cat([torch.arange(n - 1) + i * L for i, n in enumerate(lengths)])  # [N]
-        rows_dev = rows.to(device)
-        targets = torch.tensor([t for row in input_ids for t in row[1:]], dtype=torch.long, device=device)  # [N]
+        rows_dev = to_device(rows, device)
+        targets = to_device([t for row in input_ids for t in row[1:]], device)  # [N]
         head = self.model.lm_head
         head_slots = set()  # adapters that change lm_head (LoRA or their own copy)
         for table in (self.stack.dense, self.stack.overrides) if with_lora else ():
@@ -256,16 +261,23 @@ class Engine:
         chosen = torch.tensor(chosen, dtype=torch.long)
         chunk = max(1, self.logits_budget // vocab)
         for start in range(0, chosen.numel(), chunk):
-            pick = chosen[start:start + chunk].to(device)  # [C] positions in rows
+            pick = to_device(chosen[start:start + chunk], device)  # [C] positions in rows
             part = rows_dev[pick]  # [C] token rows
             logits = self.model.logits(hidden[part], fwd.subset(part))  # [C, V]
             logp = torch.log_softmax(logits.float(), dim=-1)  # [C, V]
             out[pick] = logp.gather(1, targets[pick, None]).squeeze(1)
-        return list(out.cpu().split([n - 1 for n in lengths]))
+        split = [n - 1 for n in lengths]
+        return HostResult(out, lambda host: (joined or list)(list(host.split(split))))
+
+    def next_token_logprobs(self, batch: Batch, candidates: list[int]) -> torch.Tensor:
+        """float32 [rows, len(candidates)] on the CPU: log p(candidate | whole row) at each row's last position
+        (`start_next_token_logprobs` says how)."""
+        return self.start_next_token_logprobs(batch, candidates).get()
 
     @torch.inference_mode()
-    def next_token_logprobs(self, batch: Batch, candidates: list[int]) -> torch.Tensor:
-        """float32 [rows, len(candidates)] on the CPU: log p(candidate | whole row) at each row's last position.
+    def start_next_token_logprobs(self, batch: Batch, candidates: list[int]) -> "HostResult":
+        """`next_token_logprobs` queued on the device (`get()` waits for this batch alone, as `start_logprobs`):
+        log p(candidate | whole row) at each row's last position.
         The same forward as `logprobs`, but lm_head and the log-softmax over the vocabulary run for the last
         positions only (multiple-choice scoring). Every row runs with one padding token after it, so that no
         scored position is among the last elements of a batch tensor, which some plain-torch elementwise ops
@@ -284,7 +296,7 @@ class Engine:
                 bad = next(t for t in ids if not 0 <= t < vocab)
                 raise InputError(f"row {i}", f"token id {bad} is outside the vocabulary [0, {vocab})")
         if not lengths:
-            return torch.empty(0, len(candidates))
+            return HostResult(torch.empty(0, len(candidates)))
         B = len(lengths)
         entries = [None] * B
         rows = batch.input_ids
@@ -294,16 +306,16 @@ class Engine:
             lengths = [len(ids) for ids in rows]
         hidden, L, with_lora = self._forward([[*ids, 0] for ids in rows], slots, entries,
                                              real=sum(lengths))  # [B'*L, H]
-        fwd = _LazyForward(self, lengths, slots, L, with_lora)
-        last = torch.tensor([i * L + n - 1 for i, n in enumerate(lengths)], device=device)  # [B] token rows
-        wanted = torch.tensor(candidates, dtype=torch.long, device=device)  # [C]
+        fwd = _LazyForward(self, lengths, slots, L, with_lora, hidden.shape[0] // L)
+        last = to_device([i * L + n - 1 for i, n in enumerate(lengths)], device)  # [B] token rows
+        wanted = to_device(candidates, device)  # [C]
         out = torch.empty(B, len(candidates), dtype=torch.float32, device=device)  # [B, C]
         chunk = max(1, self.logits_budget // vocab)
         for start in range(0, B, chunk):
             part = last[start:start + chunk]  # [b]
             logits = self.model.logits(hidden[part], fwd.subset(part))  # [b, V]
             out[start:start + chunk] = torch.log_softmax(logits.float(), dim=-1)[:, wanted]  # [b, C]
-        return out.cpu()
+        return HostResult(out)
 
     def _build(self, ids: torch.Tensor, token_slots: torch.Tensor, lora: bool, lengths: list[int] | None = None,
                prefixes: list | None = None, capture: tuple | None = None):
@@ -336,8 +348,8 @@ class Engine:
             if replayed is not None:
                 return (*replayed, with_lora)
         device = self.model.inv_freq.device
-        token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(L).to(device)  # [B*L]
-        return self._build(ids.to(device), token_slots, with_lora, lengths, prefixes, capture), L, with_lora
+        token_slots = to_device(torch.tensor(slots, dtype=torch.long).repeat_interleave(L), device)  # [B*L]
+        return self._build(to_device(ids, device), token_slots, with_lora, lengths, prefixes, capture), L, with_lora
 
     def prefix_stats(self) -> dict:
         """The prefix cache's figures (prefixes.PrefixCache.stats) and the token positions this engine computed."""
@@ -356,21 +368,44 @@ class Engine:
         return self.adapter_names.index(name)
 
 
+class HostResult:
+    """A result on its way from the device to the host: the copy is queued behind the kernels that make it, into
+    pinned memory, and `get()` waits for that copy alone — later batches may already be queued or running — and
+    returns `then(the host tensor)` (the tensor itself by default). On the CPU it is ready at once."""
+
+    def __init__(self, tensor: torch.Tensor, then=None):
+        self._then, self._event = then, None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor
+
+    def get(self):
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host if self._then is None else self._then(self._host)
+
+
 class _LazyForward:
     """The `Forward` of a batch laid out at length L, built only if lm_head needs one (most batches on the GPU
     never do): `subset(rows)` as Forward.subset."""
 
-    def __init__(self, engine: Engine, lengths: list[int], slots: list[int], L: int, with_lora: bool):
+    def __init__(self, engine: Engine, lengths: list[int], slots: list[int], L: int, with_lora: bool, rows: int):
         self.engine, self.lengths, self.slots, self.L, self.with_lora = engine, lengths, slots, L, with_lora
+        self.rows = rows  # of the hidden states: a graph bucket's may exceed the batch's
         self._fwd = None
 
     def subset(self, rows: torch.Tensor) -> Forward:
         if self._fwd is None:
             e = self.engine
-            n_rows = max(len(self.slots), (int(rows.max()) // self.L + 1) if rows.numel() else 0)
-            slots = self.slots + [-1] * (n_rows - len(self.slots))  # padding rows of a graph bucket
+            slots = self.slots + [-1] * (self.rows - len(self.slots))  # padding rows of a graph bucket
             token_slots = torch.tensor(slots, dtype=torch.long).repeat_interleave(self.L)  # [B'*L]
             device = e.model.inv_freq.device
             self._fwd = Forward(e.backend, self.lengths, e.stack if self.with_lora else None,
-                                token_slots.to(device) if self.with_lora else None, invariant=e.batch_invariant)
+                                to_device(token_slots, device) if self.with_lora else None,
+                                invariant=e.batch_invariant)
         return self._fwd.subset(rows)

@@ -41,6 +41,16 @@ from .kernels.tiles import INVARIANT_MOE, INVARIANT_SHRINK_SPLITS
 BACKENDS = ("torch", "triton")
 
 
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (a list, or a tensor on the CPU) as a tensor on `device`. To a GPU through pinned memory, without
+    waiting: a copy from pageable memory makes the host wait until every kernel queued before it has run, and the
+    GPU then idles while the host prepares what comes next (CUDA graph replays copy their inputs the same way)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Forward:
     probe = None  # callable probe(layer, point, tensor) that sees intermediates (see the module notes), or None
     # the fused MoE's launch table for every forward on the Triton path (kernels/tiles.py MOE_CONFIGS when None): a
@@ -94,8 +104,8 @@ class Forward:
         positions = torch.arange(L, device=device).expand(B, L)  # [B, L]
         if self.prefixes is None:
             return positions
-        offsets = torch.tensor([0 if p is None else p.length for p in self.prefixes] + [0] * (B - len(self.prefixes)),
-                               device=device)  # [B]
+        offsets = to_device([0 if p is None else p.length for p in self.prefixes] + [0] * (B - len(self.prefixes)),
+                            device)  # [B]
         return positions + offsets[:, None]
 
     # ---- observing (diagnose) -----------------------------------------------------------------------------
@@ -373,7 +383,7 @@ class Forward:
             for b in range(rows):
                 prefix = self.prefixes[b] if b < len(self.prefixes) else None
                 groups.setdefault(id(prefix), (prefix, []))[1].append(b)
-            self._rows_by_prefix = [(prefix, torch.tensor(members, device=device))
+            self._rows_by_prefix = [(prefix, to_device(members, device))
                                     for prefix, members in groups.values()]
         return self._rows_by_prefix
 

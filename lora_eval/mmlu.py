@@ -165,18 +165,23 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([len(b) for b in batches], "mmlu", "rows", quiet,
                                             lockstep=options.expert_parallel) as work:
-            for b in work.steps(range(len(batches))):
+            def start(b):
                 if b is None:
-                    engine.stand_in()
-                    continue
+                    return engine.stand_in()
                 batch = batches[b]
                 before = engine.tokens_computed
-                scores = engine.next_token_logprobs(Batch([rows_ids[i] for i in batch], [rows_tags[i] for i in batch],
-                                                          None if rows_prefix is None else
-                                                          [rows_prefix[i] for i in batch]), candidates).numpy()
-                computed = [engine.tokens_computed - before] + [0] * (len(batch) - 1)  # the unit's, on its first row
-                work.record(b, pd.DataFrame({"row": batch, **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
-                                             "tokens_computed": np.asarray(computed, dtype=np.int64)}))
+                scores = engine.start_next_token_logprobs(
+                    Batch([rows_ids[i] for i in batch], [rows_tags[i] for i in batch],
+                          None if rows_prefix is None else [rows_prefix[i] for i in batch]), candidates)
+                return scores, engine.tokens_computed - before
+
+            def finish(b, started):
+                scores, computed = started[0].get().numpy(), started[1]
+                return pd.DataFrame({"row": batches[b], **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
+                                     "tokens_computed": np.asarray([computed] + [0] * (len(batches[b]) - 1),
+                                                                   dtype=np.int64)})  # the unit's, on its first row
+
+            work.overlapped(range(len(batches)), start, finish)
         phases.captured(engine.graph_stats(), COMPILE_CLOCK.seconds - compiled)
 
         def merge(frames: dict[int, pd.DataFrame]) -> MmluResult:

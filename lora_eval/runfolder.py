@@ -629,6 +629,26 @@ class Work:
                                   f"{self.folder.resume_hint()}")
             yield mine[i] if i < len(mine) else None
 
+    def overlapped(self, units, start, finish) -> None:
+        """Every pending unit (`steps`) in two halves: start(unit) queues its work and returns a handle (start(None):
+        a lock-step rank's stand-in step), finish(unit, handle) waits for it and returns the rows to record. A unit
+        finishes after the next one has started, so that the device computes one unit while the host records the
+        last and prepares the next. A unit started but not finished when a stop or an error comes is not recorded
+        (a resumed run computes it); one started before a failing start is finished and recorded first."""
+        held = None
+        for unit in self.steps(units):
+            try:
+                started = (unit, start(unit))
+            except BaseException:
+                if held is not None and held[0] is not None:
+                    self.record(held[0], finish(*held))
+                raise
+            if held is not None and held[0] is not None:
+                self.record(held[0], finish(*held))
+            held = started
+        if held is not None and held[0] is not None:
+            self.record(held[0], finish(*held))
+
     def record(self, unit: int, rows: pd.DataFrame) -> None:
         self.done[unit] = rows
         self._pending[unit] = rows

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 INJECT = '''import os
 if os.environ.get("RANK") == "1":  # rank 1's third batch fails
     from lora_eval.engine import Engine
-    original, calls = Engine.logprobs, []
+    original, calls = Engine.start_logprobs, []
 
     def failing(self, batch):
         calls.append(1)
@@ -39,7 +39,7 @@ if os.environ.get("RANK") == "1":  # rank 1's third batch fails
             raise RuntimeError("simulated failure on this rank")
         return original(self, batch)
 
-    Engine.logprobs = failing
+    Engine.start_logprobs = failing
 '''
 
 

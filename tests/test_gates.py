@@ -353,7 +353,7 @@ def test_a_run_interrupted_among_the_gate_units_resumes_byte_identical(art, tmp_
     main_units = record(art.baseline)["batches"]
     assert baseline_units > main_units + 1  # the gate's base re-runs are units of their own
     stop_at = random.Random(seed).randrange(main_units + 1, baseline_units)  # a gate unit
-    original, calls = Engine.logprobs, []
+    original, calls = Engine.start_logprobs, []
 
     def stopping(self, batch):
         calls.append(1)
@@ -362,11 +362,11 @@ def test_a_run_interrupted_among_the_gate_units_resumes_byte_identical(art, tmp_
         return original(self, batch)
 
     monkeypatch.setenv("LORA_EVAL_PART_ITEMS", "1")
-    monkeypatch.setattr(Engine, "logprobs", stopping)
+    monkeypatch.setattr(Engine, "start_logprobs", stopping)
     out = tmp_path / "run"
     args = compare_args(art, art.plain, out, "--max-k2-over-floor", "1")
     assert run_cli(*args).exit_code == 130 and not out.exists()
-    monkeypatch.setattr(Engine, "logprobs", original)
+    monkeypatch.setattr(Engine, "start_logprobs", original)
     result = run_cli(*args)
     assert result.exit_code == 1 and "resuming: " in result.stderr, result.stderr
     assert record(out)["work"]["resumed_units"] == stop_at - 1

@@ -482,7 +482,7 @@ def test_an_interrupted_run_resumes_to_the_same_files(rigged, tmp_path, monkeypa
             "--subjects", ",".join(RIG_SUBJECTS), "--limit", RIG_LIMIT, "--shots", 1, "--batch-tokens", 512, "--quiet"]
     whole = run_cli(*args, "--out", tmp_path / "whole")
     assert whole.exit_code == 0, (whole.stdout, whole.stderr)
-    original, calls = Engine.next_token_logprobs, []
+    original, calls = Engine.start_next_token_logprobs, []
 
     def stopping(self, batch, candidates):
         calls.append(1)
@@ -490,9 +490,9 @@ def test_an_interrupted_run_resumes_to_the_same_files(rigged, tmp_path, monkeypa
             raise KeyboardInterrupt
         return original(self, batch, candidates)
 
-    monkeypatch.setattr(Engine, "next_token_logprobs", stopping)
+    monkeypatch.setattr(Engine, "start_next_token_logprobs", stopping)
     assert run_cli(*args, "--out", tmp_path / "run").exit_code == 130
-    monkeypatch.setattr(Engine, "next_token_logprobs", original)
+    monkeypatch.setattr(Engine, "start_next_token_logprobs", original)
     resumed = run_cli(*args, "--out", tmp_path / "run")
     assert resumed.exit_code == 0 and "resuming: 2 of " in resumed.stderr, resumed.stderr
     work = json.loads((tmp_path / "run" / "run.json").read_text())["work"]

@@ -251,7 +251,7 @@ def test_compare_with_prefixes_data_parallel_and_resumed_byte_identical(moe_mode
     code, stdout, stderr = finish(torchrun(2, [*args, "--out", tmp_path / "two"]))
     assert code == 0, (stdout, stderr)
     assert tables(tmp_path / "two") == tables(tmp_path / "one")
-    original, calls = Engine.logprobs, []
+    original, calls = Engine.start_logprobs, []
 
     def stopping(self, batch):
         calls.append(1)
@@ -260,9 +260,9 @@ def test_compare_with_prefixes_data_parallel_and_resumed_byte_identical(moe_mode
         return original(self, batch)
 
     monkeypatch.setenv("LORA_EVAL_PART_ITEMS", "1")
-    monkeypatch.setattr(Engine, "logprobs", stopping)
+    monkeypatch.setattr(Engine, "start_logprobs", stopping)
     assert run("--out", tmp_path / "resumed").exit_code == 130
-    monkeypatch.setattr(Engine, "logprobs", original)
+    monkeypatch.setattr(Engine, "start_logprobs", original)
     assert run("--out", tmp_path / "resumed").exit_code == 0
     assert record(tmp_path / "resumed")["work"]["resumed_units"] == 2
     assert tables(tmp_path / "resumed") == tables(tmp_path / "one")
@@ -355,3 +355,36 @@ def test_compiled_prefix_path_on_the_gpu(moe_model, tmp_path, seed):
           f"{spread['full'].median().item():.3g}, prefixed {spread['prefixed'].median().item():.3g}")
     assert diff32 < 1e-4
     assert spread["prefixed"].median() <= 1.5 * spread["full"].median()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_queued_batches_never_wait_for_the_gpu(moe_model, tmp_path, seed):
+    """start_next_token_logprobs queues a whole prefixed batch (its prefix passes, every layer, the copy of its
+    result) and start_logprobs a plain one (eager and from a graph) without one host sync — torch's sync debug mode
+    raises on any — so that a task prepares the next batch while the GPU computes this one; get() then gives
+    exactly what the waiting calls give."""
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    rng = random.Random(seed)
+    heads = [[rng.randrange(96) for _ in range(n)] for n in (48, 33)]
+    ids = [heads[i % 2] + [rng.randrange(96) for _ in range(rng.randint(5, 30))] for i in range(8)]
+    tags = [("a", None)[i // 2 % 2] for i in range(8)]  # base and adapter rows under each prefix
+    prefixes = [len(heads[i % 2]) - 1 for i in range(8)]
+    candidates = rng.sample(range(96), 4)
+    for graphs in (False, True):
+        engine = Engine.load(moe_model, {"a": adapter}, lora_eval.EngineOptions(device="cuda", dtype="bfloat16",
+                                                                                cuda_graphs=graphs))
+        scored = engine.next_token_logprobs(Batch(ids, tags, prefixes), candidates)  # compiles, captures
+        plain = engine.logprobs(Batch(ids, tags))
+        engine.prefix_cache.clear()  # the queued batch computes its prefixes again
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            queued = (engine.start_next_token_logprobs(Batch(ids, tags, prefixes), candidates),
+                      engine.start_logprobs(Batch(ids, tags)))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert engine.prefix_stats()["prefixes_computed"] == 8  # (2 prefixes x (base, adapter)) x 2 runs
+        assert torch.equal(queued[0].get(), scored)
+        assert all(torch.equal(a, b) for a, b in zip(queued[1].get(), plain))

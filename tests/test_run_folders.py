@@ -409,7 +409,7 @@ def test_another_commands_run_or_a_foreign_folder_is_never_replaced(art, tmp_pat
 def test_an_interrupted_run_resumes_in_process_and_other_inputs_leave_it_alone(art, tmp_path, monkeypatch):
     """Ctrl-C in the API (KeyboardInterrupt mid-batch): the CLI exits 130 and keeps the finished batches; a run of
     other inputs refuses the partial folder; the same command finishes it, equal to the uninterrupted run."""
-    original, calls = Engine.logprobs, []
+    original, calls = Engine.start_logprobs, []
 
     def stopping(self, batch):
         calls.append(1)
@@ -418,10 +418,10 @@ def test_an_interrupted_run_resumes_in_process_and_other_inputs_leave_it_alone(a
         return original(self, batch)
 
     out = tmp_path / "run"
-    monkeypatch.setattr(Engine, "logprobs", stopping)
+    monkeypatch.setattr(Engine, "start_logprobs", stopping)
     result = run_cli(*compare_args(art, out))
     assert result.exit_code == 130 and "interrupted" in result.stderr, (result.stdout, result.stderr)
-    monkeypatch.setattr(Engine, "logprobs", original)
+    monkeypatch.setattr(Engine, "start_logprobs", original)
     assert parts(out) > 0 and not out.exists()
     assert_input_error(run_cli(*compare_args(art, out), "--max-k2", "1"), "run.partial", "unfinished run",
                        "max_k2 0.005 -> 1.0")
@@ -470,6 +470,39 @@ def test_resumed_work_starts_its_progress_at_what_is_done(tmp_path):
             assert work.bar.n == 8 and work.pending(range(4)) == [1, 3]
             assert work.done[2]["value"].tolist() == [2]
     assert notices == [f"resuming: 2 of 4 compare units already done (8 of 18 tok) in {out}.partial"]
+
+
+def test_overlapped_work_starts_a_unit_before_finishing_the_last(tmp_path, seed):
+    """Work.overlapped: unit u+1 is started (queued on the device) before unit u is finished and recorded; every
+    pending unit is recorded once, with its own rows; a failing start first records the unit started before it."""
+    rng = random.Random(seed)
+    n = rng.randrange(4, 9)
+    fail_at = rng.randrange(1, n)
+    for failing in (False, True):
+        events = []
+
+        def start(unit):
+            if failing and unit == fail_at:
+                raise RuntimeError("start failed")
+            events.append(("start", unit))
+            return unit * 10
+
+        def finish(unit, handle):
+            events.append(("finish", unit))
+            return pd.DataFrame(dict(value=[handle]))
+
+        out = tmp_path / f"run-{failing}"
+        with RunFolder(out, "compare", {"command": "compare"}, notice=lambda _: None) as folder:
+            with folder.work([1] * n, "compare", "tok", quiet=True) as work:
+                try:
+                    work.overlapped(range(n), start, finish)
+                except RuntimeError:
+                    assert failing
+                done = {u: rows["value"].tolist() for u, rows in work.done.items()}
+        last = fail_at if failing else n
+        assert done == {u: [u * 10] for u in range(last)}
+        expected = [("start", 0)] + [e for u in range(1, last) for e in (("start", u), ("finish", u - 1))]
+        assert events == expected + [("finish", last - 1)]
 
 
 # ---- 5. dump-reference -----------------------------------------------------------------------------------
