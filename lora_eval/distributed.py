@@ -146,11 +146,16 @@ def exit_code(error: BaseException) -> int:
 
 
 def assign(units: list[int], weights: list[int], world: int) -> list[list[int]]:
-    """units -> one list per rank, balanced by weight (the heaviest unit first to the least loaded rank; ties by
-    unit, then rank), each list in unit order. The same on every rank for the same units."""
-    load, shares = [0] * world, [[] for _ in range(world)]
-    for unit in sorted(units, key=lambda u: (-weights[u], u)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        load[rank] += weights[unit]
-        shares[rank].append(unit)
-    return [sorted(share) for share in shares]
+    """units -> one list per rank: consecutive runs of `units` (in the order given) of about equal weight, each
+    rank's within the heaviest unit of the total / world (a unit goes to the rank whose share of the cumulative
+    weight holds the unit's middle). Consecutive, so that neighbouring units stay together: a subject's MMLU
+    batches, or a compare group's, share their prefixes, which a rank then computes once rather than every rank
+    (prefixes.py). The same on every rank for the same units."""
+    units = list(units)
+    total = sum(weights[u] for u in units)
+    shares, before = [[] for _ in range(world)], 0
+    for i, unit in enumerate(units):
+        middle = before + weights[unit] / 2
+        shares[min(world - 1, int(middle * world / total) if total else i * world // len(units))].append(unit)
+        before += weights[unit]
+    return shares

@@ -173,12 +173,14 @@ def test_exchange_raises_the_first_own_error_once(case, tmp_path):
     assert (results[0], results[1]) == expected
 
 
-def test_assign_balances_tokens_and_is_deterministic(seed):
+def test_assign_balances_tokens_in_consecutive_runs_and_is_deterministic(seed):
     rng = random.Random(seed)
     weights = [rng.randrange(1, 5000) for _ in range(rng.randrange(20, 80))]
     units = sorted(rng.sample(range(len(weights)), len(weights) // 2))
     for world in (1, 2, 3, 4):
         shares = assign(units, weights, world)
-        assert sorted(u for share in shares for u in share) == units and shares == assign(units, weights, world)
+        assert [u for share in shares for u in share] == units and shares == assign(units, weights, world)
         loads = [sum(weights[u] for u in share) for share in shares]
-        assert max(loads) - min(loads) <= max(weights[u] for u in units)  # greedy bound: one unit at most
+        heaviest, fair = max(weights[u] for u in units), sum(weights[u] for u in units) / world
+        assert all(abs(load - fair) <= heaviest for load in loads), (loads, fair, heaviest)
+    assert assign([3, 5], [0] * 6, 2) == [[3], [5]] and assign([4], [1] * 5, 3) == [[], [4], []]
