@@ -7,7 +7,8 @@
 #   dp  data parallel: compare and an MMLU subset on a Qwen3-30B-A3B-shaped checkpoint written to disk, on one GPU
 #       and on all of them; speed-up and whether the tables are byte-identical.
 #       DP_LAYERS (48), DP_SAMPLES (1024 reference samples), MMLU_LIMIT (questions per subject, 10), MMLU (the release);
-#       DP_ARGS go to both commands (DP_ARGS=--batch-invariant: issue #27's identity under the batch-invariant mode).
+#       DP_ARGS go to both commands (DP_ARGS=--batch-invariant: issue #27's identity under the batch-invariant mode);
+#       DP_TASKS picks them (default "compare mmlu"; MMLU_LIMIT=100000: the whole test split).
 #   ep  expert parallel: a Qwen3-235B-A22B-shaped checkpoint of EP_LAYERS layers (18: 92 GB in bf16, more than one
 #       H100 holds) written layer by layer, compare and an MMLU subset with --expert-parallel; then the first
 #       EP_AGREE_LAYERS (8) layers of the same checkpoint on one GPU and with --expert-parallel, logprobs side by side,
@@ -73,29 +74,33 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
   [ -f "$DP/reference.parquet" ] || timeout 400 python3 benchmarks/write_checkpoint.py \
       --config "${CONFIG_DIR:-benchmarks/configs}/Qwen3-30B-A3B.json" ${WRITE_ARGS:-} --layers "${DP_LAYERS:-48}" --samples "${DP_SAMPLES:-1024}" \
       --tokenizer-from "$MMLU" --out "$DP" 2>&1 | tail -n 2 | tee "$RES/dp_write.log"
-  ARGS=(compare --model "$DP/model" --adapter "adapter=$DP/peft/adapter" --reference "$DP/reference.parquet"
-        --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-} ${DP_ARGS:-})
-  # a warm-up on 64 samples first: Triton compiles into its on-disk cache once per machine, not inside a timed run
-  python3 -c "import pandas as pd, sys; pd.read_parquet(sys.argv[1]).head(64).to_parquet(sys.argv[2])" \
-      "$DP/reference.parquet" "$DP/warm.parquet"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]/$DP\/reference.parquet/$DP/warm.parquet}" --out "$DP/warm" \
-      > "$RES/dp_warm.log" 2>&1
-  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]}" --out "$DP/one" > "$RES/dp_one.log" 2>&1
-  timeout 300 "${TORCHRUN[@]}" "${ARGS[@]}" --out "$DP/all" > "$RES/dp_all.log" 2>&1
-  for r in one all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
-  { timings "compare 1 GPU" "$DP/one"; timings "compare $GPUS GPUs" "$DP/all"  # written before MMLU starts
-    for f in summary.csv samples.csv tokens.parquet; do
-      cmp -s "$DP/one/$f" "$DP/all/$f" && echo "compare $f byte-identical" || echo "compare $f differs"; done
-    side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
-  cp "$RES/dp_summary.txt" "$OUT/" 2>/dev/null
-  M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}" ${DP_ARGS:-})
-  CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$RES/dp_mmlu_one.log" 2>&1
-  timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$RES/dp_mmlu_all.log" 2>&1
-  for r in mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
-  { timings "mmlu 1 GPU" "$DP/mmlu_one"; timings "mmlu $GPUS GPUs" "$DP/mmlu_all"
-    for f in "$DP"/mmlu_one/*.csv; do
-      cmp -s "$f" "$DP/mmlu_all/$(basename "$f")" && echo "mmlu $(basename "$f") byte-identical" \
-        || echo "mmlu $(basename "$f") differs"; done; } 2>&1 | tee -a "$RES/dp_summary.txt"
+  if [[ " ${DP_TASKS:-compare mmlu} " == *" compare "* ]]; then
+    ARGS=(compare --model "$DP/model" --adapter "adapter=$DP/peft/adapter" --reference "$DP/reference.parquet"
+          --batch-tokens 4096 --max-k2 1e9 --quiet --overwrite ${DEVICE_ARGS:-} ${DP_ARGS:-})
+    # a warm-up on 64 samples first: Triton compiles into its on-disk cache once per machine, not inside a timed run
+    python3 -c "import pandas as pd, sys; pd.read_parquet(sys.argv[1]).head(64).to_parquet(sys.argv[2])" \
+        "$DP/reference.parquet" "$DP/warm.parquet"
+    CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]/$DP\/reference.parquet/$DP/warm.parquet}" --out "$DP/warm" \
+        > "$RES/dp_warm.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${ARGS[@]}" --out "$DP/one" > "$RES/dp_one.log" 2>&1
+    timeout 300 "${TORCHRUN[@]}" "${ARGS[@]}" --out "$DP/all" > "$RES/dp_all.log" 2>&1
+    for r in one all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
+    { timings "compare 1 GPU" "$DP/one"; timings "compare $GPUS GPUs" "$DP/all"  # written before MMLU starts
+      for f in summary.csv samples.csv tokens.parquet; do
+        cmp -s "$DP/one/$f" "$DP/all/$f" && echo "compare $f byte-identical" || echo "compare $f differs"; done
+      side_by_side "$DP/one" "$DP/all"; } 2>&1 | tee "$RES/dp_summary.txt"
+    cp "$RES/dp_summary.txt" "$OUT/" 2>/dev/null
+  fi
+  if [[ " ${DP_TASKS:-compare mmlu} " == *" mmlu "* ]]; then
+    M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}" ${DP_ARGS:-})
+    CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$RES/dp_mmlu_one.log" 2>&1
+    timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$RES/dp_mmlu_all.log" 2>&1
+    for r in mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
+    { timings "mmlu 1 GPU" "$DP/mmlu_one"; timings "mmlu $GPUS GPUs" "$DP/mmlu_all"
+      for f in "$DP"/mmlu_one/*.csv "$DP"/mmlu_one/*.parquet; do
+        cmp -s "$f" "$DP/mmlu_all/$(basename "$f")" && echo "mmlu $(basename "$f") byte-identical" \
+          || echo "mmlu $(basename "$f") differs"; done; } 2>&1 | tee -a "$RES/dp_summary.txt"
+  fi
   [ -n "${KEEP_DP:-}" ] || rm -rf "$DP"  # KEEP_DP=1: leave the checkpoint for a next step (diagnose_gpu.sh WORK=$WORK/dp)
 fi
 
