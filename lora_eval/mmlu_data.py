@@ -1,4 +1,6 @@
-"""MMLU data: the test / val / dev questions of a local MMLU folder, read with `datasets` (nothing downloaded).
+"""MMLU data: the test / val / dev questions of a local MMLU folder (nothing downloaded): CSV files with Python's csv
+module, parquet files with pyarrow, folders written by `datasets` with `datasets` (reading the first two through
+`datasets`' builders cost ~1-3 s of import and conversion, a twentieth of a whole GPU MMLU run, for the same values).
 
 Two layouts: the original release (`dev/ val/ test/`, one headerless CSV per subject, `<subject>_<split>.csv`,
 columns question, A, B, C, D, answer letter) and Hugging Face `cais/mmlu` on disk — parquet files per subject and
@@ -13,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -73,34 +74,32 @@ def _read_csv(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame]]:
     if not files:
         raise InputError(folder, f"no {split} questions: expected <subject>_{split}.csv files here (the original "
                          "MMLU release), cais/mmlu parquet files or a folder saved by datasets under the data folder")
-    counts = [_check_csv_rows(path) for path in files]
-    loaded = _load("csv", files, counts, strings=CSV_COLUMNS, column_names=CSV_COLUMNS, header=None,
-                   keep_default_na=False, index_col=False)  # every field a string, exactly as written
     parts = []
-    for path, frame in zip(files, loaded):
+    for path in files:  # every field a string, exactly as written
+        frame = pd.DataFrame(_csv_records(path), columns=CSV_COLUMNS, dtype=object)
         frame.insert(0, "subject", path.name[:-len(f"_{split}.csv")])
         parts.append(_checked(frame, path))
     return files, parts
 
 
-def _check_csv_rows(path: Path) -> int:
-    """The number of records; each must have exactly the 6 fields (pandas would pad short rows and drop
-    extra fields silently)."""
-    count = 0
+def _csv_records(path: Path) -> list[list[str]]:
+    """The file's records, each exactly the 6 fields (a reader that pads short rows or drops extra fields would hide
+    a damaged file); blank lines skipped."""
+    records = []
     try:
         with open(path, newline="", encoding="utf-8") as f:
             for record in csv.reader(f):
-                if not record:  # blank line: pandas skips it too
+                if not record:  # a blank line
                     continue
                 if len(record) != len(CSV_COLUMNS):
                     raise InputError(path, f"{len(record)} fields, expected {len(CSV_COLUMNS)} "
-                                     f"({', '.join(CSV_COLUMNS)})", key=f"row {count}")
-                count += 1
+                                     f"({', '.join(CSV_COLUMNS)})", key=f"row {len(records)}")
+                records.append(record)
     except (UnicodeDecodeError, csv.Error) as e:
-        raise InputError(path, f"not a UTF-8 CSV file ({e})", key=f"row {count}") from None
-    if count == 0:
+        raise InputError(path, f"not a UTF-8 CSV file ({e})", key=f"row {len(records)}") from None
+    if not records:
         raise InputError(path, "no questions (empty file)")
-    return count
+    return records
 
 
 def _read_parquet(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame]]:
@@ -119,7 +118,7 @@ def _read_parquet(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame
             raise InputError(data, f"subject '{folder.name}' is found twice ({subjects[folder.name]} and {folder}); "
                              "point --data at one copy of the release")
         subjects[folder.name] = folder
-    counts = []
+    parts = []
     for path in files:
         try:
             meta = pq.read_metadata(path)
@@ -130,9 +129,12 @@ def _read_parquet(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame
             raise InputError(path, f"missing column (cais/mmlu has {', '.join(CAIS_COLUMNS)})", key=missing[0])
         if meta.num_rows == 0:
             raise InputError(path, "no questions (empty file)")
-        counts.append(meta.num_rows)
-    loaded = _load("parquet", files, counts, columns=CAIS_COLUMNS)
-    return files, [_checked(_from_cais(frame, path), path) for path, frame in zip(files, loaded)]
+        try:
+            frame = pq.read_table(path, columns=CAIS_COLUMNS).to_pandas()
+        except Exception as e:  # as above
+            raise InputError(path, f"not a readable parquet file ({e})") from None
+        parts.append(_checked(_from_cais(frame, path), path))
+    return files, parts
 
 
 def _read_saved(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame]]:
@@ -220,29 +222,6 @@ def _datasets_quiet():
             os.environ["HF_DATASETS_OFFLINE"] = saved
         offline = constants.HF_HUB_OFFLINE if saved is None else saved.upper() in datasets.config.ENV_VARS_TRUE_VALUES
         datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = offline  # as datasets/config.py
-
-
-def _load(builder: str, files: list[Path], counts: list[int], strings: list[str] | None = None,
-          **options) -> list[pd.DataFrame]:
-    """Each file as a DataFrame, read by a `datasets` packaged builder as one split (files in order, then cut
-    at the known row counts), in a throwaway cache. `strings`: columns read as strings."""
-    with _datasets_quiet() as datasets, tempfile.TemporaryDirectory(prefix="lora-eval-mmlu-") as cache:
-        if strings:
-            options["features"] = datasets.Features({c: datasets.Value("string") for c in strings})
-        try:
-            loaded = datasets.load_dataset(builder, data_files={"rows": [str(p) for p in files]}, split="rows",
-                                           cache_dir=cache, **options)
-        except Exception as e:  # datasets wraps the reader's error; show the root cause
-            cause = e
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
-            raise InputError(files[0].parent, f"datasets could not read the {builder} files ({cause})") from None
-        frame = loaded.to_pandas()
-    if len(frame) != sum(counts):
-        raise InputError(files[0].parent, f"datasets read {len(frame)} rows from the {builder} files, expected "
-                         f"{sum(counts)}")
-    starts = np.cumsum([0, *counts])
-    return [frame.iloc[a:b].reset_index(drop=True) for a, b in zip(starts[:-1], starts[1:])]
 
 
 def select(questions: pd.DataFrame, subjects, limit: int | None, data, split: str) -> pd.DataFrame:
