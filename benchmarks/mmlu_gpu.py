@@ -1,6 +1,6 @@
 """`lora-eval mmlu` on the GPU at a real model's shape: the full 5-shot MMLU test set (14,042 questions) through a
-random-weight Qwen3-30B-A3B (48 layers, bf16) with one rank-16 all-linear adapter (experts and router included),
-base and adapter in one pass. Random weights score at chance, so this measures time, not accuracy. With
+random-weight Qwen3-30B-A3B (48 layers, bf16) with one rank-16 all-linear adapter (experts and router included;
+--adapters N: N of them), base and adapters in one pass. Random weights score at chance, so this measures time, not accuracy. With
 --both-prefix-modes the same engine then runs again with the shared-prefix cache off (--no-prefix-cache), and the
 two runs' log-probabilities of A-D are set side by side (the GPU's bf16 agreement of prefix reuse, issue #24).
 
@@ -43,6 +43,7 @@ def main():
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--subjects", default=None)
     parser.add_argument("--batch-tokens", type=int, default=32768)
+    parser.add_argument("--adapters", type=int, default=1, help="how many adapters (issue #24: 1 and 4)")
     parser.add_argument("--out", default="mmlu-gpu")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -62,11 +63,11 @@ def main():
         build_tokenizer(folder, vocab_size=32768, texts=texts)
         hf = random_hf_model(config, dtype, dev, seed=0)
         model = load_model_from_tensors(config, hf.state_dict(), dtype, dev, where=args.config)
-        peft_model, _ = make_peft_adapters(hf, ["adapter"], 16, "all", seed=0)
+        names = ["adapter"] if args.adapters == 1 else [f"adapter{i}" for i in range(args.adapters)]
+        peft_model, _ = make_peft_adapters(hf, names, 16, "all", seed=0)
         peft_model.save_pretrained(Path(tmp) / "peft")
         del peft_model, hf
-        adapter = load_adapter(Path(tmp) / "peft" / "adapter", "adapter", model)
-        engine = Engine(model, [adapter])
+        engine = Engine(model, [load_adapter(Path(tmp) / "peft" / name, name, model) for name in names])
         build_s = time.perf_counter() - t0
         modes = [True, False] if args.both_prefix_modes else [True]
         results = {}
@@ -131,7 +132,8 @@ def profiled(engine, folder, args, out: Path):
 
 def report(result, config, dev, build_s, wall_s, prefix_cache):
     run = result.run
-    line = dict(prefix_cache=prefix_cache, questions=run["questions"], rows=run["rows"], batches=run["batches"],
+    line = dict(prefix_cache=prefix_cache, adapters=len(run["arguments"]["adapters"]), task_s=run["timings"]["total_s"],
+                questions=run["questions"], rows=run["rows"], batches=run["batches"],
                 prompt_tokens_mean=run["prompts"]["tokens_mean"], padding_waste=run["padding_waste"],
                 tokens_full_prompts=run.get("tokens_full_prompts"), tokens_computed=run.get("tokens_computed"),
                 forward_s=run["timings"]["forward_s"], load_s=run["timings"].get("load_s"),
