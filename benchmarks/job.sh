@@ -35,6 +35,40 @@ timed() {  # $1: log name; the rest: the command. Appends "<log> <seconds> <rc>"
 
 [ -f "$WORK/reference.parquet" ] || timed write python3 benchmarks/write_checkpoint.py --config "$CONFIG" \
     --layers "${JOB_LAYERS:-24}" --samples "${JOB_SAMPLES:-128}" --tokenizer-from "$MMLU" --out "$WORK" ${WRITE_ARGS:-}
+# where loading's time goes (#24 item 3: 5 GB/s from the page cache wanted), each a second time so the files are cached:
+# our loader (load_model), and the raw rates beneath it: a safetensors tensor per copy to the device (what the loader
+# does), the files read into one pinned buffer, and that buffer to the device
+timed load_probe python3 - "$WORK/model" ${DEVICE_ARGS:+cpu} <<'PY'
+import sys, time
+from pathlib import Path
+import torch
+from safetensors import safe_open
+from lora_eval.models import load_model
+folder, device = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "cuda")
+files = sorted(folder.glob("*.safetensors"))
+size = sum(f.stat().st_size for f in files)
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+def rate(name, fn):
+    for run in (1, 2):  # the first reads the files into the page cache
+        t0 = time.perf_counter(); fn(); sync(); s = time.perf_counter() - t0
+    print(f"{name}: {s:.2f} s, {size / 1e9 / s:.2f} GB/s ({size / 1e9:.1f} GB)")
+rate("load_model (bf16)", lambda: load_model(folder, dtype=torch.bfloat16, device=device))
+def per_tensor():
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                h.get_tensor(k).to(device)
+rate("per tensor .to(device)", per_tensor)
+biggest = max(f.stat().st_size for f in files)
+pinned = torch.empty(biggest, dtype=torch.uint8, pin_memory=device == "cuda")
+def read_pinned():
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            fh.readinto(memoryview(pinned.numpy())[:f.stat().st_size])
+rate("files read into one pinned buffer", read_pinned)
+rate("pinned buffer to the device, once per file", lambda: [pinned[:f.stat().st_size].to(device, non_blocking=True)
+                                                           for f in files])
+PY
 MODEL=(--model "$WORK/model" --adapter "adapter=$WORK/peft/adapter")
 LIMIT=(); [ -n "${MMLU_LIMIT:-}" ] && LIMIT=(--limit "$MMLU_LIMIT")
 for run in cold warm; do
