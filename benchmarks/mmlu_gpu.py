@@ -50,6 +50,9 @@ def main():
     parser.add_argument("--both-prefix-modes", action="store_true",
                         help="run again without the shared-prefix cache and compare the two runs")
     parser.add_argument("--profile", action="store_true", help="then once more under torch.profiler (profile.txt)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the prefix-cache task this many times on the same engine (the later ones: kernels "
+                             "compiled and loaded, prefix cache emptied; out/prefix-2 ...)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -69,11 +72,12 @@ def main():
         del peft_model, hf
         engine = Engine(model, [load_adapter(Path(tmp) / "peft" / name, name, model) for name in names])
         build_s = time.perf_counter() - t0
-        modes = [True, False] if args.both_prefix_modes else [True]
+        modes = [True] * args.rounds + ([False] if args.both_prefix_modes else [])
         results = {}
-        for prefix_cache in modes:
+        for n, prefix_cache in enumerate(modes, 1):
+            engine.prefix_cache.clear()
             t1 = time.perf_counter()
-            out = Path(args.out) / ("prefix" if prefix_cache else "full")
+            out = Path(args.out) / (("prefix" if n == 1 else f"prefix-{n}") if prefix_cache else "full")
             out.parent.mkdir(parents=True, exist_ok=True)
             results[prefix_cache] = mmlu(
                 folder, data=args.data, out=out, shots=5, subjects=args.subjects,
