@@ -52,7 +52,10 @@ def torchrun(ranks: int, args: list[str], env: dict | None = None) -> subprocess
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a torchrun job; its stderr is printed whole, so that a failing test shows every
+    worker's last words (an assertion's message is cut short)."""
     out, err = proc.communicate(timeout=timeout)
+    print(f"torchrun exit code {proc.returncode}; its stderr:\n{err}")
     return proc.returncode, out, err
 
 
