@@ -56,7 +56,7 @@ from .adapters import AdapterStack
 from .adapters.targets import layer_of
 from .batching import make_batches
 from .diagnose_report import diagnose_report_files
-from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
+from .engine import DTYPES, Batch, Engine, EngineOptions, current_device, read_adapters
 from .errors import EXIT_PASS, InputError
 from .forward import Forward
 from .inputs import adapter_names, model_config, positive_int
@@ -154,14 +154,14 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
                                                       [_adapter(t) for t in rows["adapter"]]))
                     work.record(b, _k2_rows(rows, batches[b], logprobs))
             chosen = _choose({u: work.done[u] for u in k2_units}, tags, order, samples)
-            with phases("compare"):
+            with phases("compare"), current_device(options.device):  # (these run the models' layers directly)
                 for u in work.steps(compare_units):
                     if measured == FREE_RUNNING:
                         i = chosen[u - compare_units[0]]
                         work.record(u, _free_running(sides, i, refs["input_ids"][i], _adapter(refs["adapter"][i])))
                     else:
                         work.record(u, _one_layer(sides, u - compare_units[0], chosen, refs))
-            with phases("effects"):
+            with phases("effects"), current_device(options.device):
                 with_adapter = [i for i in chosen if tags[i] != BASE]
                 for u in work.steps(effect_units):
                     i = with_adapter[u - effect_units[0]]

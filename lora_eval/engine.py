@@ -12,6 +12,8 @@ adapter), alone, and kept in a bounded cache (`prefixes.PrefixCache`), and the r
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -107,6 +109,22 @@ def read_adapters(model_dir: str | Path, adapters: dict[str, str | Path] | None,
     return [load_adapter(path, name, shapes, layout) for name, path in (adapters or {}).items()]
 
 
+def current_device(device):
+    """A context in which `device` is CUDA's current device (nothing on the CPU): Triton launches its kernels on the
+    current device, whichever GPU their tensors are on (--device cuda:1 in one process)."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def on_its_device(method):
+    """An Engine method run with the engine's GPU as the current device (`current_device`)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with current_device(self.model.inv_freq.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 @dataclass
 class Batch:
     """`prefixes`: per row, how many of its leading tokens are a prefix it shares with other rows (0: none; None:
@@ -188,6 +206,7 @@ class Engine:
         those tokens and adapter) and the rest from a pass over tokens p.. only."""
         return self.start_logprobs(batch).get()
 
+    @on_its_device
     @torch.inference_mode()
     def start_logprobs(self, batch: Batch) -> "HostResult":
         """`logprobs(batch)` queued on the device: its `get()` waits for this batch's result alone, so that a task
@@ -274,6 +293,7 @@ class Engine:
         (`start_next_token_logprobs` says how)."""
         return self.start_next_token_logprobs(batch, candidates).get()
 
+    @on_its_device
     @torch.inference_mode()
     def start_next_token_logprobs(self, batch: Batch, candidates: list[int]) -> "HostResult":
         """`next_token_logprobs` queued on the device (`get()` waits for this batch alone, as `start_logprobs`):
@@ -377,9 +397,9 @@ class HostResult:
         self._then, self._event = then, None
         if tensor.device.type == "cuda":
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
+            self._host.copy_(tensor, non_blocking=True)  # on the tensor's device's current stream
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tensor.device))  # after that copy
         else:
             self._host = tensor
 

@@ -388,3 +388,31 @@ def test_queued_batches_never_wait_for_the_gpu(moe_model, tmp_path, seed):
         assert engine.prefix_stats()["prefixes_computed"] == 8  # (2 prefixes x (base, adapter)) x 2 runs
         assert torch.equal(queued[0].get(), scored)
         assert all(torch.equal(a, b) for a, b in zip(queued[1].get(), plain))
+        torch.cuda._sleep(200_000_000)  # the GPU busy for a while before the batch: get() must wait for it
+        assert torch.equal(engine.start_next_token_logprobs(Batch(ids, tags, prefixes), candidates).get(), scored)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_an_engine_on_the_second_gpu(moe_model, tmp_path, seed):
+    """--device cuda:1 in one process, with cuda:0 current: the engine's kernels run on its own GPU, a queued batch's
+    get() waits for that GPU (kept busy before the batch), and the results equal those of an engine on cuda:0 bit
+    for bit, prefixed and plain."""
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    rng = random.Random(seed)
+    head = [rng.randrange(96) for _ in range(40)]
+    ids = [head + [rng.randrange(96) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+    tags = [("a", None)[i % 2] for i in range(6)]
+    prefixes, candidates = [len(head) - 1] * 6, rng.sample(range(96), 4)
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        engine = Engine.load(moe_model, {"a": adapter}, lora_eval.EngineOptions(device=device, dtype="bfloat16"))
+        torch.cuda.set_device(0)
+        with torch.cuda.device(device):
+            torch.cuda._sleep(200_000_000)
+        results.append((engine.start_next_token_logprobs(Batch(ids, tags, prefixes), candidates).get(),
+                        engine.logprobs(Batch(ids, tags))))
+        assert torch.cuda.current_device() == 0
+    (scored0, plain0), (scored1, plain1) = results
+    assert torch.equal(scored0, scored1) and all(torch.equal(a, b) for a, b in zip(plain0, plain1))
