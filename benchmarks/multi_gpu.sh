@@ -93,6 +93,8 @@ if [[ " ${STEPS:-dp ep} " == *" dp "* ]]; then
   fi
   if [[ " ${DP_TASKS:-compare mmlu} " == *" mmlu "* ]]; then
     M=(mmlu --model "$DP/model" --adapter "adapter=$DP/peft/adapter" "${MMLU_ARGS[@]}" ${DP_ARGS:-})
+    # a warm-up on 3 questions a subject first: Triton compiles once per machine, not inside the one-GPU run
+    CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --limit 3 --out "$DP/mmlu_warm" > "$RES/dp_mmlu_warm.log" 2>&1
     CUDA_VISIBLE_DEVICES=0 timeout 300 lora-eval "${M[@]}" --out "$DP/mmlu_one" > "$RES/dp_mmlu_one.log" 2>&1
     timeout 300 "${TORCHRUN[@]}" "${M[@]}" --out "$DP/mmlu_all" > "$RES/dp_mmlu_all.log" 2>&1
     for r in mmlu_one mmlu_all; do cp "$DP/$r/run.json" "$RES/dp_$r.json" 2>/dev/null; done
