@@ -10,6 +10,7 @@ passes its settings to the op as arguments; no module constant is changed.
     python benchmarks/tiles.py logprobs [--rows 128,1024,4096,8192]
     python benchmarks/tiles.py attention [--rows 200] [--prefix 600] [--suffix 110]
     python benchmarks/tiles.py matmul [--tokens 4096]
+    python benchmarks/tiles.py small [--tokens 4096,16384]
     (a dry run on the CPU, any of them: TRITON_INTERPRET=1 python benchmarks/tiles.py OP --device cpu --shape tiny
      --dtype float32 ...; the times then mean nothing)
 
@@ -48,6 +49,10 @@ against causal SDPA over the full prompts (what running without the prefix cache
 `matmul`: the batch-invariant mode's dense GEMM (kernels/matmul.py, fixed tiles, K never split) at the attention
 projections' and router's shapes by tile, against cuBLAS (F.linear, what the default mode runs).
 
+`small`: the three small kernels' rows per program — the router's top-k (kernels/router.py, logits [T, E]), RMSNorm
+(kernels/rms_norm.py, [T, H]) and RoPE (kernels/rope.py, positions of [4, T / 4, q heads, D]) — each against its torch
+reference and a copy of the bytes it reads and writes.
+
 bf16 unless --dtype; times are medians of CUDA-graph replays (triton.testing.do_bench_cudagraph) on a GPU, of a few
 wall-clock calls on the CPU. Findings: BENCHMARKS-history.md, sections 1 (moe, logprobs) and 3 (dense, shrinks).
 """
@@ -73,9 +78,11 @@ from lora_eval.kernels.lora_meta import lora_metadata
 from lora_eval.kernels.matmul import matmul
 from lora_eval.kernels.moe_align import moe_align
 from lora_eval.kernels.prefix_attention import prefix_attention
-from lora_eval.kernels.rms_norm import rms_norm
-from lora_eval.kernels.rope import rope
-from lora_eval.kernels.tiles import DENSE_LORA_BLOCKS, MATMUL_TILES, PREFIX_ATTENTION_TILES
+from lora_eval.kernels.rms_norm import rms_norm, rms_norm_ref
+from lora_eval.kernels.rope import rope, rope_ref
+from lora_eval.kernels.router import router_topk, router_topk_ref
+from lora_eval.kernels.tiles import (DENSE_LORA_BLOCKS, MATMUL_TILES, POSITIONS_PER_PROGRAM, PREFIX_ATTENTION_TILES,
+                                     RMS_NORM_ROWS_PER_PROGRAM, ROUTER_ROWS_PER_PROGRAM)
 from lora_eval.forward import row_attention
 from lora_eval.models.layers import rope_cos_sin
 
@@ -611,6 +618,40 @@ def matmul_sweep(b: Bench, args):
                 print(f"  {tiles}{mark}: {ms:.4f} ms, {cublas / ms:.2f}x cuBLAS, max diff {diff:.1e}")
 
 
+# ------------------------------------------------------------------------------ small kernels (router, norm, rope)
+
+SMALL_SWEEP = (1, 2, 4, 8, 16, 32)  # rows (positions) per program
+
+
+def small(b: Bench, args):
+    s, g = b.s, b.generator()
+    for T in (int(t) for t in args.tokens.split(",")):
+        logits = torch.randn(T, s.E, generator=g, device=b.dev)  # [T, E] float32, as the router's
+        x, w = b.randn(T, s.H, g=g), b.randn(s.H, g=g)
+        L = max(T // 4, 1)
+        q = b.randn(4, L, s.HEADS_Q, s.D, g=g)  # [B, L, heads, D]
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, s.D, 2, device=b.dev).float() / s.D))  # [D/2]
+        cos, sin = rope_cos_sin(inv_freq, torch.arange(L, device=b.dev).expand(4, L), b.dtype)  # [4, L, D]
+        want_w, want_ids = router_topk_ref(logits, s.K_TOP, True)
+        cases = {
+            "router_topk": (ROUTER_ROWS_PER_PROGRAM, logits,
+                            lambda n: router_topk(logits, s.K_TOP, True, rows_per_program=n),
+                            lambda got: (got[0] - want_w).abs().max().item() + (got[1] != want_ids).sum().item()),
+            "rms_norm": (RMS_NORM_ROWS_PER_PROGRAM, x, lambda n: rms_norm(x, w, 1e-6, rows_per_program=n),
+                         lambda got: (got.float() - rms_norm_ref(x, w, 1e-6).float()).abs().max().item()),
+            "rope": (POSITIONS_PER_PROGRAM, q, lambda n: rope(q, cos, sin, positions_per_program=n),
+                     lambda got: (got.float() - rope_ref(q, cos, sin).float()).abs().max().item()),
+        }
+        for name, (ships, inp, run, diff) in cases.items():
+            copy = torch.empty_like(inp)
+            floor = b.ms(lambda: copy.copy_(inp))
+            print(f"{name} T={T}: a copy of its input {floor:.4f} ms", flush=True)
+            for n in SMALL_SWEEP:
+                ms = b.ms(lambda: run(n))
+                mark = " (ships)" if n == ships else ""
+                print(f"  {n} per program{mark}: {ms:.4f} ms, max diff {diff(run(n)):.1e}")
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 
 def main():
@@ -647,12 +688,15 @@ def main():
     p = ops.add_parser("matmul", parents=[common],
                        help="the batch-invariant mode's dense GEMM (kernels/matmul.py) by tile against cuBLAS")
     p.add_argument("--tokens", default="4096")
+    p = ops.add_parser("small", parents=[common],
+                       help="rows per program of the router's top-k, RMSNorm and RoPE")
+    p.add_argument("--tokens", default="4096,16384")
     args = parser.parse_args()
     b = Bench(args.device, args.dtype, args.shape)
     print(f"{args.op} on {torch.cuda.get_device_name(b.dev) if b.cuda else b.dev}, {args.dtype}, shape {args.shape}, "
           f"torch {torch.__version__}, triton {triton.__version__}", flush=True)
     {"moe": moe, "dense": dense, "shrinks": shrinks, "logprobs": logprobs, "attention": attention,
-     "matmul": matmul_sweep}[args.op](b, args)
+     "matmul": matmul_sweep, "small": small}[args.op](b, args)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, M, D, eps, stride_xm, stride_ym,
              (normed * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton RMSNorm of x [..., D] -> [..., D] in the dtype torch would give (x's, promoted with weight's)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             rows_per_program: int = RMS_NORM_ROWS_PER_PROGRAM) -> torch.Tensor:
+    """Triton RMSNorm of x [..., D] -> [..., D] in the dtype torch would give (x's, promoted with weight's).
+    `rows_per_program`: the grid's rows per program (RMS_NORM_ROWS_PER_PROGRAM)."""
     D = x.shape[-1]
     flat = x.reshape(-1, D)
     if flat.stride(-1) != 1:
@@ -45,7 +47,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty(flat.shape, dtype=out_dtype, device=x.device)  # [M, D]
     M = flat.shape[0]
-    rms_norm_kernel[(triton.cdiv(M, RMS_NORM_ROWS_PER_PROGRAM),)](
+    rms_norm_kernel[(triton.cdiv(M, rows_per_program),)](
         flat, weight, y, M, D, eps, flat.stride(0), y.stride(0),
-        ROWS=RMS_NORM_ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        ROWS=rows_per_program, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return y.view(x.shape)

@@ -56,14 +56,16 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, L, HEADS,
     tl.store(out + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Triton rope of x [B, L, heads, D] (last dim contiguous) -> [B, heads, L, D] (attention_layout)."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+         positions_per_program: int = POSITIONS_PER_PROGRAM) -> torch.Tensor:
+    """Triton rope of x [B, L, heads, D] (last dim contiguous) -> [B, heads, L, D] (attention_layout).
+    `positions_per_program`: the grid's positions per program (POSITIONS_PER_PROGRAM)."""
     B, L, heads, D = x.shape
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError("rope needs a contiguous last dim")
     out = attention_layout(B, heads, L, D, x.dtype, x.device)
-    rope_kernel[(triton.cdiv(L, POSITIONS_PER_PROGRAM), B)](
+    rope_kernel[(triton.cdiv(L, positions_per_program), B)](
         x, cos, sin, out, L, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-        sin.stride(0), sin.stride(1), POSITIONS=POSITIONS_PER_PROGRAM, BLOCK_H=triton.next_power_of_2(heads),
+        sin.stride(0), sin.stride(1), POSITIONS=positions_per_program, BLOCK_H=triton.next_power_of_2(heads),
         HALF=D // 2, num_warps=4)
     return out

@@ -156,7 +156,7 @@ PREFIX_ATTENTION_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 # ------------------------------------------------------------------------ router, RMSNorm, RoPE (router.py, ...)
 
-# no measurement recorded for these three
+# no GPU measurement recorded for these three yet; `python benchmarks/tiles.py small` sweeps them
 ROUTER_ROWS_PER_PROGRAM = 16  # rows per program of router_topk (router.py)
 RMS_NORM_ROWS_PER_PROGRAM = 4  # rows per program of rms_norm (rms_norm.py)
 POSITIONS_PER_PROGRAM = 4  # positions per program of rope (rope.py)
