@@ -635,19 +635,18 @@ class Work:
         finishes after the next one has started, so that the device computes one unit while the host records the
         last and prepares the next. A unit started but not finished when a stop or an error comes is not recorded
         (a resumed run computes it); one started before a failing start is finished and recorded first."""
+        def settle(held):  # (unit, handle) of the unit started before, if any; a stand-in step records nothing
+            if held is not None and held[0] is not None:
+                self.record(held[0], finish(*held))
+
         held = None
         for unit in self.steps(units):
             try:
                 started = (unit, start(unit))
-            except BaseException:
-                if held is not None and held[0] is not None:
-                    self.record(held[0], finish(*held))
-                raise
-            if held is not None and held[0] is not None:
-                self.record(held[0], finish(*held))
+            finally:  # the unit before is recorded whether this start worked or not
+                settle(held)
             held = started
-        if held is not None and held[0] is not None:
-            self.record(held[0], finish(*held))
+        settle(held)
 
     def record(self, unit: int, rows: pd.DataFrame) -> None:
         self.done[unit] = rows
