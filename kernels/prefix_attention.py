@@ -1,15 +1,22 @@
 """Causal attention of rows that continue a cached prefix (issue #24): each row's queries attend to the prefix's keys
-and values, shared by every row of the group and read in place, then to the row's own, causally. One program per
-(block of queries, row, head), a flash-attention loop with the softmax online in float32: the prefix is neither
-copied per row nor masked through a [queries, keys] tensor, as the plain torch form (row_attention) has to.
+and values, shared by every row of the group and read in place, then to the row's own, causally. A flash-attention
+loop with the softmax online in float32: the prefix is neither copied per row nor masked through a [queries, keys]
+tensor, as the plain torch form (row_attention) has to.
+
+One program per (block of positions, row, key/value head and part of its query heads): the query heads that share a
+key/value head (grouped-query attention: 8 of Qwen3-30B-A3B's 32 share each of its 4) are packed into the program's
+BLOCK_M query rows (`heads_per_program`), so that every key and value tile read serves all of them, and a block spans
+BLOCK_M / heads positions — 8 at Qwen3-30B-A3B's heads — rather than BLOCK_M, which pads MMLU's suffixes of 60-150
+tokens less. Blocks wholly past a row's own length (`lengths`) compute nothing.
 
 Shapes: q [B, nh, L, D], k [B, nkv, L, D], v [B, nkv, L, Dv] (any strides; nh a multiple of
 nkv: query head h reads kv head h // (nh // nkv)); the prefix's pk [nkv, P, D], pv [nkv, P, Dv]; rows [G] the batch
-rows of the group; out [B, nh, L, Dv] (head dim contiguous), written at those rows. Query i of a row sits at position P + i and sees the
-P prefix keys and its own keys 0..i; with a `window` only the last `window` of those (GPT-OSS's sliding layers; the
-window counts the prefix's keys too), and with `sinks` [nh] a learned logit per head joins every softmax denominator
-(GPT-OSS). Right padding after a row's length only ever meets queries of the padding. Fixed tiles and one program per
-row and head: a row's result does not depend on the other rows or the padding (the batch-invariant mode's attention).
+rows of the group; out [B, nh, L, Dv] (head dim contiguous), written at those rows. Query i of a row sits at position
+P + i and sees the P prefix keys and its own keys 0..i; with a `window` only the last `window` of those (GPT-OSS's
+sliding layers; the window counts the prefix's keys too), and with `sinks` [nh] a learned logit per head joins every
+softmax denominator (GPT-OSS). Right padding after a row's length only ever meets queries of the padding. Fixed tiles,
+and a query's sums over the keys in the same blocks and order wherever the row sits: a row's result does not depend
+on the other rows or the padding (the batch-invariant mode's attention).
 """
 
 from __future__ import annotations
@@ -63,24 +70,37 @@ def _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["L", "P"])
 def prefix_attention_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, sinks_ptr, L, P, WINDOW, qk_scale,
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, lengths_ptr, sinks_ptr, L, P, WINDOW, qk_scale,
     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
     stride_pkh, stride_pkl, stride_pvh, stride_pvl, stride_ob, stride_oh, stride_ol,
-    HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Queries pid_m * BLOCK_M.. of row rows[g], head h (program 1 = g * HEADS + h); qk_scale: scale * log2(e)."""
-    pid_m = tl.program_id(0)
-    g = tl.program_id(1) // HEADS
-    h = tl.program_id(1) % HEADS
+    """BLOCK_M query rows of row rows[g]: PACKED query heads of key/value head kvh (heads kvh * GROUP + part *
+    PACKED ..), each at the BLOCK_M // PACKED positions from pid_q * that (program 1 = (g * KV_HEADS + kvh) *
+    (GROUP // PACKED) + part); every key and value tile read serves all of them. qk_scale: scale * log2(e). Blocks
+    past the row's own length (lengths[b]) hold padding only: written with zeros, nothing computed."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // PACKED  # positions per program
+    PARTS: tl.constexpr = GROUP // PACKED
+    pid_q = tl.program_id(0)
+    part = tl.program_id(1) % PARTS
+    kvh = tl.program_id(1) // PARTS % KV_HEADS
+    g = tl.program_id(1) // PARTS // KV_HEADS
     b = tl.load(rows_ptr + g).to(tl.int64)
-    kvh = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] the row's own positions
+    own = tl.minimum(tl.load(lengths_ptr + b), L)  # the row's positions; the rest is padding
+    offs_r = tl.arange(0, BLOCK_M)
+    head = kvh * GROUP + part * PACKED + offs_r // BLOCK_Q  # [BM] query head of each query row
+    pos = pid_q * BLOCK_Q + offs_r % BLOCK_Q  # [BM] position of each query row in the row's own tokens
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_ql + offs_d[None, :],
-                mask=(offs_m < L)[:, None] & (offs_d < D)[None, :], other=0.0)  # [BM, BD]
+    out_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ol + offs_dv[None, :]
+    out_mask = (pos < L)[:, None] & (offs_dv < DV)[None, :]
+    if pid_q * BLOCK_Q >= own:
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_DV), dtype=out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_ql + offs_d[None, :],
+                mask=(pos < L)[:, None] & (offs_d < D)[None, :], other=0.0)  # [BM, BD]
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of the scaled scores (log2 units)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)  # [BM, BDV]
@@ -95,10 +115,10 @@ def prefix_attention_kernel(
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
         seen = keep[None, :]
         if HAS_WINDOW:  # key position n > query position P + i - WINDOW
-            seen = seen & (offs_n[None, :] > offs_m[:, None] + P - WINDOW)
+            seen = seen & (offs_n[None, :] > pos[:, None] + P - WINDOW)
         m_i, l_i, acc = _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION)
     # the row's own keys, causally: key j is seen by queries i >= j
-    for n0 in range(0, tl.minimum(L, (pid_m + 1) * BLOCK_M), BLOCK_N):
+    for n0 in range(0, tl.minimum(L, (pid_q + 1) * BLOCK_Q), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         keep = offs_n < L
         kt = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + offs_n[None, :] * stride_kl + offs_d[:, None],
@@ -106,48 +126,61 @@ def prefix_attention_kernel(
         vv = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vl + offs_dv[None, :],
                      mask=keep[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
-        seen = keep[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        seen = keep[None, :] & (offs_n[None, :] <= pos[:, None])
         if HAS_WINDOW:
-            seen = seen & (offs_n[None, :] > offs_m[:, None] - WINDOW)
+            seen = seen & (offs_n[None, :] > pos[:, None] - WINDOW)
         m_i, l_i, acc = _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION)
-    if HAS_SINKS:  # the head's sink logit joins the denominator (in log2 units, as the scores)
-        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+    if HAS_SINKS:  # each head's sink logit joins its rows' denominators (in log2 units, as the scores)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # [BM]
         m_new = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.exp2(sink - m_new)
         acc = acc * alpha[:, None]
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding queries past a window (not stored)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ol + offs_dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_m < L)[:, None] & (offs_dv < DV)[None, :])
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding queries past a window
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def heads_per_program(group: int, block_m: int) -> int:
+    """How many query heads of one key/value head a program takes: the largest power of two dividing `group`, at most
+    block_m // 8 (each head keeps 8 or more positions of the program's block_m query rows)."""
+    packed = 1
+    while group % (packed * 2) == 0 and packed * 2 <= block_m // 8:
+        packed *= 2
+    return packed
 
 
 def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=None, sinks=None,
-                     window: int | None = None, tiles: dict | None = None) -> None:
+                     window: int | None = None, lengths=None, tiles: dict | None = None) -> None:
     """out[rows] = the attention of q[rows] over the prefix (prefix_k / prefix_v, None: no prefix) and each row's own
     k[rows] / v[rows], causally, within `window` if given, `sinks` [nh] in the denominators if given (shapes in the
-    module notes; rows: an int tensor on q's device)."""
+    module notes; rows: an int tensor on q's device). `lengths` [B] (int, on q's device): each row's own positions;
+    those after are padding, written with zeros (None: all L positions are the rows')."""
     B, nh, L, D = q.shape
     nkv, DV = k.shape[1], v.shape[-1]
     if nh % nkv:
         raise ValueError(f"prefix_attention: {nh} query heads are not a multiple of {nkv} key/value heads")
     tiles = {**PREFIX_ATTENTION_TILES, **(tiles or {})}
     BLOCK_M, BLOCK_N = tiles["BLOCK_M"], tiles["BLOCK_N"]
+    group = nh // nkv
+    packed = heads_per_program(group, BLOCK_M)
     if out.stride(-1) != 1:
         raise ValueError("prefix_attention: out's head dim must be contiguous")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if prefix_k is not None:
         prefix_k, prefix_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (prefix_k, prefix_v))
+    if lengths is None:
+        lengths = torch.full((B,), L, dtype=torch.int32, device=q.device)
     P = 0 if prefix_k is None else prefix_k.shape[1]
     pk = k if prefix_k is None else prefix_k  # not read when P == 0
     pv = v if prefix_v is None else prefix_v
     pk_strides = (0, 0) if prefix_k is None else (prefix_k.stride(0), prefix_k.stride(1))
     pv_strides = (0, 0) if prefix_v is None else (prefix_v.stride(0), prefix_v.stride(1))
-    grid = (triton.cdiv(L, BLOCK_M), rows.numel() * nh)
+    grid = (triton.cdiv(L, BLOCK_M // packed), rows.numel() * nkv * (group // packed))
     prefix_attention_kernel[grid](
-        q, k, v, pk, pv, out, rows, q if sinks is None else sinks, L, P, window or 0, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), *pk_strides, *pv_strides, out.stride(0), out.stride(1), out.stride(2),
-        HEADS=nh, GROUP=nh // nkv, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        q, k, v, pk, pv, out, rows, lengths, q if sinks is None else sinks, L, P, window or 0,
+        scale * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *pk_strides, *pv_strides, out.stride(0), out.stride(1), out.stride(2),
+        KV_HEADS=nkv, GROUP=group, PACKED=packed, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_WINDOW=window is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

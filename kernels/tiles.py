@@ -148,10 +148,12 @@ MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8
 
 # --------------------------------------------------------------------- prefixed attention (prefix_attention.py)
 
-# queries x keys per step, grid (cdiv(L, BLOCK_M), rows x heads). H200, bf16, one MMLU-like group (200 rows x 110
-# tokens after a 600-token prefix, 32 / 4 heads of 128; benchmarks/tiles.py attention): 64 x 64, 4 warps 0.898 ms
-# (0.883 at 3 stages: noise), 128 x 64 1.014, 128 x 128 1.008, 64 x 128 1.363, 32 x 64 1.797; the torch form it
-# replaced (the prefix concatenated in front of every row, SDPA with an offset mask) 1.620 ms.
+# query rows x keys per step; a program's query rows are heads x positions (prefix_attention.heads_per_program).
+# Chosen before the heads were packed (one head a program, grid (cdiv(L, BLOCK_M), rows x heads)), H200, bf16, one
+# MMLU-like group (200 rows x 110 tokens after a 600-token prefix, 32 / 4 heads of 128; benchmarks/tiles.py
+# attention): 64 x 64, 4 warps 0.898 ms (0.883 at 3 stages: noise), 128 x 64 1.014, 128 x 128 1.008, 64 x 128 1.363,
+# 32 x 64 1.797; the torch form it replaced (the prefix concatenated in front of every row, SDPA with an offset mask)
+# 1.620 ms. Packed (8 heads x 8 positions at 64 rows) not yet measured on a GPU.
 PREFIX_ATTENTION_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 # ------------------------------------------------------------------------ router, RMSNorm, RoPE (router.py, ...)

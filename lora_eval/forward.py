@@ -78,6 +78,7 @@ class Forward:
         self.capture = capture
         self._attention_calls = 0
         self._rows_by_prefix = None  # built by _prefix_groups
+        self._row_lengths = None  # likewise
         self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
         self.invariant = invariant and self.triton
@@ -385,6 +386,7 @@ class Forward:
                 groups.setdefault(id(prefix), (prefix, []))[1].append(b)
             self._rows_by_prefix = [(prefix, to_device(members, device))
                                     for prefix, members in groups.values()]
+            self._row_lengths = to_device(self.lengths + [0] * (rows - len(self.lengths)), device, torch.int32)  # [B]
         return self._rows_by_prefix
 
     def _prefixed_attention(self, layer: int, q, k, v, scale: float, sinks, window) -> torch.Tensor:
@@ -401,8 +403,8 @@ class Forward:
             out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: each row written by its group's launch
             for prefix, rows in self._prefix_groups(q.shape[0], q.device):
                 pk, pv = (None, None) if prefix is None else (t.to(k.dtype) for t in prefix.kv[layer])
-                if (sinks is None and window is None) or self.invariant:
-                    prefix_attention(q, k, v, out, rows, scale, pk, pv, sinks, window)
+                if (sinks is None and window is None) or self.invariant:  # (positions past a row's length: zeros)
+                    prefix_attention(q, k, v, out, rows, scale, pk, pv, sinks, window, lengths=self._row_lengths)
                     continue
                 qg, kg, vg = q[rows], k[rows], v[rows]  # [G, nh, L, D], [G, nkv, L, Dk], [G, nkv, L, Dv]
                 if prefix is not None:  # pk [nkv, P, Dk], pv [nkv, P, Dv]

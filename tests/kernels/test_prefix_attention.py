@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_eval.forward import row_attention, sink_attention
-from lora_eval.kernels.prefix_attention import prefix_attention, prefix_attention_ref
+from lora_eval.kernels.prefix_attention import heads_per_program, prefix_attention, prefix_attention_ref
 from lora_eval.kernels.tiles import PREFIX_ATTENTION_TILES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,8 +30,11 @@ def _case(g, B, nh, nkv, L, P, D, DV, dtype, device=DEVICE):
                                                         (3, 3, 20, 12, 5, False, None),
                                                         (4, 1, 16, 16, 0, False, None),
                                                         (4, 2, 16, 16, 2 * BM + 3, True, BM // 2 + 5),
-                                                        (4, 2, 16, 16, 0, True, None)],
-                         ids=["gqa", "mla-widths", "no-prefix", "sinks-window", "sinks"])
+                                                        (4, 2, 16, 16, 0, True, None),
+                                                        (16, 2, 16, 16, BM + 1, True, BM // 4 + 3),
+                                                        (12, 1, 16, 16, 9, False, None)],
+                         ids=["gqa", "mla-widths", "no-prefix", "sinks-window", "sinks", "gqa-8-packed",
+                              "gqa-12-in-parts"])
 def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P, sinks, window):
     """Rows 0 and 2 of a 3-row batch (row 1 poisoned and left so); L not a multiple of the query block, P of the key
     block; every output within tol of the float32 reference and of the torch path's form (row_attention, or
@@ -68,6 +71,33 @@ def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P, sinks, window):
         other = torch.full_like(out, float("nan"))
         prefix_attention(q, k, v, other, rows, scale, **{**given, **change})
         assert (other[rows].float() - out[rows].float()).abs().max().item() > 10 * tol, name
+
+
+def test_heads_per_program():
+    """Powers of two dividing the group, each head keeping 8 or more of the program's query rows."""
+    assert [heads_per_program(g, 64) for g in (1, 2, 3, 8, 12, 16)] == [1, 2, 1, 8, 4, 8]
+    assert heads_per_program(8, 32) == 4 and heads_per_program(8, 128) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_shorter_than_the_batch(seed, dtype):
+    """Rows of their own lengths in a batch padded to L (packed heads: 8 of a key/value head): each row's positions
+    equal the reference of the row alone, blocks wholly past its length come out as zeros, nothing is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    nh, nkv, D = 16, 2, 16
+    B, L, P = 4, 3 * BM // 2 + 5, BM // 2 + 3
+    q, k, v, pk, pv = _case(g, B, nh, nkv, L, P, D, D, dtype)
+    lengths = [L, 1, int(torch.randint(2, L // 2, (1,), generator=g)), int(torch.randint(L // 2, L, (1,), generator=g))]
+    out = torch.full((B, nh, L, D), float("nan"), dtype=dtype, device=DEVICE)
+    prefix_attention(q, k, v, out, torch.arange(B, device=DEVICE), D ** -0.5, pk, pv,
+                     lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    block = BM // heads_per_program(nh // nkv, BM)  # positions per program
+    assert not out.isnan().any()
+    for b, n in enumerate(lengths):
+        alone = prefix_attention_ref(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], D ** -0.5, pk, pv)
+        assert (out[b:b + 1, :, :n].float() - alone.float()).abs().max().item() < (2e-5 if dtype == torch.float32
+                                                                                   else 3e-3)
+        assert (out[b, :, -(-n // block) * block:] == 0).all()
 
 
 def test_refuses_heads_that_do_not_group(seed):
