@@ -153,15 +153,23 @@ MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8
 # MMLU-like group (200 rows x 110 tokens after a 600-token prefix, 32 / 4 heads of 128; benchmarks/tiles.py
 # attention): 64 x 64, 4 warps 0.898 ms (0.883 at 3 stages: noise), 128 x 64 1.014, 128 x 128 1.008, 64 x 128 1.363,
 # 32 x 64 1.797; the torch form it replaced (the prefix concatenated in front of every row, SDPA with an offset mask)
-# 1.620 ms. Packed (8 heads x 8 positions at 64 rows) not yet measured on a GPU.
+# 1.620 ms. Packed (8 heads x 8 positions at 64 rows), H200, 2026-11-26, the same sweep (old kernel in brackets):
+# 64 x 64 0.774 ms (0.910), 3 stages 0.745 (0.894), 128 x 64 0.841, 128 x 128 0.856, 64 x 128 1.253, 32 x 64 1.546;
+# 40 rows x 150 after 2400: 64 x 64 0.691 (0.860), 3 stages 0.626 (0.839), 128 x 128 0.747. 64 x 64 stays (3 stages
+# is 4-9% faster at the kernel, one more compile variant; not taken while kernel tuning is paused).
 PREFIX_ATTENTION_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 # ------------------------------------------------------------------------ router, RMSNorm, RoPE (router.py, ...)
 
-# no GPU measurement recorded for these three yet; `python benchmarks/tiles.py small` sweeps them
-ROUTER_ROWS_PER_PROGRAM = 16  # rows per program of router_topk (router.py)
-RMS_NORM_ROWS_PER_PROGRAM = 4  # rows per program of rms_norm (rms_norm.py)
-POSITIONS_PER_PROGRAM = 4  # positions per program of rope (rope.py)
+# H200, bf16, Qwen3-30B-A3B's shapes, 2026-11-26 (`python benchmarks/tiles.py small`), ms at 4096 / 16384 tokens for
+# 1, 2, 4, 8, 16, 32 rows (positions) per program; a plain copy of the input beside it:
+#   router_topk  0.0233 0.0123 0.0060 0.0063 0.0075 0.0087 / 0.0855 0.0424 0.0185 0.0186 0.0197 0.0234 (copy 0.0016)
+#   rms_norm     0.0063 0.0066 0.0067 0.0071 0.0083 0.0321 / 0.0339 0.0350 0.0352 0.0351 0.0424 0.1162 (copy 0.0057)
+#   rope         0.0182 0.0229 0.0230 0.0223 0.0373 0.0774 / 0.0688 0.0792 0.0832 0.0809 0.1369 0.2609 (copy 0.0176)
+# Each takes its fastest at both sizes (16 / 4 / 4 shipped before: 5-25% slower, microseconds a layer).
+ROUTER_ROWS_PER_PROGRAM = 4  # rows per program of router_topk (router.py)
+RMS_NORM_ROWS_PER_PROGRAM = 1  # rows per program of rms_norm (rms_norm.py): at the speed of a copy
+POSITIONS_PER_PROGRAM = 1  # positions per program of rope (rope.py): at the speed of a copy
 
 # --------------------------------------------------------------------------- lm_head log-probs (logprobs.py)
 

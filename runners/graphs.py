@@ -140,8 +140,11 @@ class GraphRunner:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):  # entering empties the allocator's cache: measure inside
-                before = torch.cuda.memory_reserved(self.device)
+            # Captured on `side`, a stream of the engine's GPU: torch's default capture stream is made once, on
+            # whichever GPU was current then, and entering a stream context makes its GPU current (H200 x2: an
+            # engine on cuda:1 after one on cuda:0 captured an empty graph and Triton refused cuda:1 pointers).
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):  # entering empties the allocator's cache
+                before = torch.cuda.memory_reserved(self.device)  # so measure inside
                 hidden = self.build(ids, token_slots, lora)  # [rows * length, H]
         finally:
             if collecting:
