@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -300,6 +302,20 @@ def test_meta_load_reads_no_tensor(moe_model, monkeypatch):
     shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
     assert {name: tuple(p.shape) for name, p in meta.named_parameters()} == shapes
     assert all(p.is_meta for p in meta.parameters())
+
+
+def test_loading_imports_no_compiler(moe_model, tmp_path, session_seed):
+    """A fresh process loading a checkpoint and an adapter does not import torch's compiler stack (torch._dynamo
+    and sympy: 4 s of a process's first load on the GPU machine, through torch.cat and torch.arange on meta
+    tensors); the names are listed so that a failure says which came in."""
+    adapter = save_random_peft_adapter(moe_model, tmp_path / "a", seed=session_seed, r=2, lora_alpha=4,
+                                       target_modules="all-linear")
+    code = ("import sys; from lora_eval import Engine, EngineOptions; "
+            f"Engine.load({str(moe_model)!r}, {{'a': {str(adapter)!r}}}, EngineOptions(device='cpu')); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sympy' or m.startswith('torch._dynamo')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout[:500]
 
 
 def test_meta_load_still_checks_shapes(moe_model, tmp_path, monkeypatch):

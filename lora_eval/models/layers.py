@@ -90,8 +90,8 @@ def group_projections(modules: list[Linear]) -> None:
                                or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
                                for m in modules):
         return
-    weight = torch.cat([m.weight.detach() for m in modules])  # [sum out, in]
-    bias = torch.cat([m.bias.detach() for m in modules]) if first.bias is not None else None  # [sum out]
+    weight = _stack_rows([m.weight for m in modules])  # [sum out, in]
+    bias = _stack_rows([m.bias for m in modules]) if first.bias is not None else None  # [sum out]
     group = ProjectionGroup(tuple(m.site for m in modules), tuple(m.out_features for m in modules), weight, bias)
     start = 0
     for m in modules:
@@ -101,6 +101,15 @@ def group_projections(modules: list[Linear]) -> None:
             m.bias = nn.Parameter(bias[rows], requires_grad=False)
         m.group = group
         start = rows.stop
+
+
+def _stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat along dim 0; on the meta device an empty tensor of that shape, as torch.cat of meta tensors imports
+    torch._dynamo (about 2 s of a process's first load: a shape-only model is built before every load)."""
+    if tensors[0].is_meta:
+        return torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=tensors[0].dtype,
+                           device="meta")
+    return torch.cat([t.detach() for t in tensors])
 
 
 class RMSNorm(nn.Module):
@@ -173,7 +182,8 @@ class Embedding(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim/2] for the rope types we compute (default, linear, llama3)."""
+    """Rotary inverse frequencies [head_dim/2] for the rope types we compute (default, linear, llama3); on the CPU
+    even inside a meta-device context (a meta arange imports sympy: about 2 s of a process's first load)."""
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     params = dict(config.get(key) or {})
     theta = params.get("rope_theta", config.get("rope_theta"))
@@ -182,7 +192,7 @@ def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> to
         raise InputError(where, f"expected a positive number, found {theta!r}", key="rope_theta")
     theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)  # [D/2]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)  # [D/2]
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -236,8 +246,8 @@ def yarn_rope(head_dim: int, params: dict, where: str = "config.json",
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: no zero-width ramp
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)  # [D/2]
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # [D/2]
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)  # [D/2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)  # [D/2]
     extrapolation = 1 - ramp  # share of the original frequency
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation  # [D/2]
     return inv_freq, float(attention_factor)
