@@ -63,8 +63,10 @@ import json, sys
 run = json.load(open(f"{sys.argv[2]}/run.json"))
 t, w = run["timings"], run.get("work", {})
 ranks = w.get("ranks") or [w]
+rate = run["tokens_computed"] / t["forward_s"] if t.get("forward_s") else 0  # mmlu records no tokens_per_s
+rates = f"{rate:,.0f} tokens computed/s" + (f", {run['questions_per_s']:,.1f} questions/s" if "questions_per_s" in run else "")
 print(f"{sys.argv[1]}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()) +
-      f"; {run.get('tokens_per_s', 0):,.0f} tokens/s, {run.get('questions_per_s', 0):,.1f} questions/s; peak device MiB per rank {[r.get('peak_device_mb') for r in ranks]}"
+      f"; {rates}; peak device MiB per rank {[r.get('peak_device_mb') for r in ranks]}"
       f"; peak host MiB per rank {[r.get('peak_rss_mb') for r in ranks]}")
 PY
 }

@@ -78,7 +78,9 @@ def test_no_graphs_without_cuda(moe_model, seed):
 def test_no_garbage_collection_inside_a_capture(monkeypatch):
     """A capture runs with the garbage collector off, and collects just before: collecting a dropped engine destroys
     its graphs, and destroying a graph while another is captured invalidated that capture on an H200. The CUDA calls
-    are stood in for (no GPU here); what is checked is the collector's state while the forward is being recorded."""
+    are stood in for (no GPU here); what is checked is the collector's state while the forward is being recorded, and
+    that the capture runs on a stream made for the runner's device (torch's default capture stream lives on whichever
+    GPU was current when it was first made: an engine on cuda:1 after one on cuda:0 captured nothing, 2 x H200)."""
     import contextlib
     import gc
 
@@ -87,16 +89,18 @@ def test_no_garbage_collection_inside_a_capture(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     stream = type("Stream", (), {"wait_stream": lambda self, other: None})()
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: stream)
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    recording = []
+    recording, captured_on = [], []
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
+    def graph(g, pool=None, stream=None):
+        captured_on.append(stream)
         recording.append(True)
         yield
         recording.pop()
@@ -110,6 +114,7 @@ def test_no_garbage_collection_inside_a_capture(monkeypatch):
     runner._capture(2, 16, True)
     assert seen == [(False, True), (True, False)]  # warm-up with collection on, the recorded forward with it off
     assert collected == [0] and gc.isenabled()  # collected once, before recording; on again after
+    assert captured_on == [stream] and made == [torch.device("cpu")]  # the runner's device's stream
     with pytest.raises(RuntimeError):  # a failing capture leaves the collector on too
         runner.build = lambda *a: (_ for _ in ()).throw(RuntimeError("capture failed"))
         runner._capture(2, 16, True)
