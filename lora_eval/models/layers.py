@@ -192,7 +192,8 @@ def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> to
         raise InputError(where, f"expected a positive number, found {theta!r}", key="rope_theta")
     theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)  # [D/2]
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()  # [D/2]
+    inv_freq = 1.0 / theta ** (steps / head_dim)  # [D/2]
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
