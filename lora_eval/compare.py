@@ -129,6 +129,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             return read_run(out)
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
+        engine.expect([(len(b), max(lengths[i] for i in b), u < len(batches) and any(isinstance(a, str) for a in
+                       refs["adapter"].iloc[b])) for u, b in enumerate(units) if not any(prefix[i] for i in b)])
         compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([sum(suffix[i] for i in b) for b in units], "compare", "tok", quiet,
                                             lockstep=options.expert_parallel) as work:

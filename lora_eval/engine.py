@@ -375,6 +375,12 @@ class Engine:
         """The prefix cache's figures (prefixes.PrefixCache.stats) and the token positions this engine computed."""
         return dict(self.prefix_cache.stats(), tokens_computed=self.tokens_computed)
 
+    def expect(self, shapes: list[tuple[int, int, bool]]) -> None:
+        """The batches this engine is about to run without prefixes, as (rows, longest row, with an adapter row):
+        the CUDA graphs' buckets are fitted to them (runners.graphs.BucketPlan.fit). Nothing without graphs."""
+        if self.graphs is not None:
+            self.graphs.plan.fit([(rows, length, lora and self.stack is not None) for rows, length, lora in shapes])
+
     def graph_stats(self) -> dict | None:
         """Captured graphs, their memory and how many batches replayed or ran eagerly; None without graphs."""
         return self.graphs.stats() if self.graphs is not None else None

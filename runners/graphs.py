@@ -2,7 +2,8 @@
 
 A batch of B rows padded to length L runs in the smallest bucket (rows, length) that holds it: rows rounded up
 to one of two steps per octave (1, 2, 3, 4, 6, 8, 12, ...), length to one of four steps per octave (at most 25%
-padding past 64 tokens). Each bucket has
+padding past 64 tokens). Where a run's batches are known before it starts (compare), `BucketPlan.fit` merges those
+rounded buckets while the padding a merge adds costs less than the capture it saves. Each bucket has
 static buffers — input ids [rows, length], adapter slot per token [rows * length] — and up to two captured
 graphs: the forward with the LoRA kernels recorded, and the plain forward (a batch with no adapter row
 replays that one and pays nothing for LoRA). Padding rows hold token 0 and no adapter; right padding never
@@ -19,13 +20,19 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import combinations
 
 import torch
 
 from .compile_clock import COMPILE_CLOCK
 
 MIN_LENGTH = 16
+# A capture (its warm-up and recording, the kernels' first loads for the shape) costs about as much as the forward of
+# this many tokens: H200, 24-layer Qwen3-30B-A3B, compare with Triton's cache warm: 21 graphs in 7.35 s (0.35 s each)
+# against a forward of 143,000 tokens/s, i.e. ~50,000 tokens a capture (BENCHMARKS-history.md section 11).
+CAPTURE_TOKENS = 50_000
 
 
 def round_length(n: int) -> int:
@@ -61,12 +68,40 @@ class BucketPlan:
     max_tokens: int = 16384  # the largest bucket, rows * length
     max_buckets: int = 32  # captured graphs (each variant counts)
     max_memory: int | None = None  # bytes of graph pool; None: no limit
+    capture_tokens: int = CAPTURE_TOKENS  # what a capture costs, in tokens of forward (fit)
     captured: dict = field(default_factory=dict)  # (rows, length, lora) -> pool bytes after its capture
+    fitted: dict = field(default_factory=dict)  # lora -> the buckets fit() chose for a known run's batches
 
-    def bucket(self, rows: int, length: int) -> tuple[int, int] | None:
-        """(rows, length) of the bucket for a batch, or None when it is beyond the largest (run eagerly)."""
-        shape = round_rows(rows), round_length(length)
+    def bucket(self, rows: int, length: int, lora: bool = False) -> tuple[int, int] | None:
+        """(rows, length) of the bucket for a batch (the smallest fitted one that holds it, else the rounded shape),
+        or None when it is beyond the largest (run eagerly)."""
+        holding = [s for s in self.fitted.get(lora, ()) if s[0] >= rows and s[1] >= length]
+        shape = min(holding, key=lambda s: (s[0] * s[1], s)) if holding else (round_rows(rows), round_length(length))
         return shape if shape[0] * shape[1] <= self.max_tokens else None
+
+    def fit(self, shapes: list[tuple[int, int, bool]]) -> None:
+        """Buckets for a run whose batches are known: `shapes` holds each batch's (rows, length, with an adapter
+        row). Per variant, start from the batches' rounded buckets, then merge the two whose union (the larger rows
+        and the larger length) adds the least padding over their batches, while that is under `capture_tokens` and
+        the union within `max_tokens`: each merge saves a capture for less than its cost in forward."""
+        self.fitted = {}
+        for lora in (False, True):
+            count = Counter(s for s in ((round_rows(r), round_length(n)) for r, n, v in shapes if v == lora)
+                            if s[0] * s[1] <= self.max_tokens)  # bucket -> batches in it
+            while len(count) > 1:
+                best = None
+                for a, b in combinations(count, 2):
+                    union = max(a[0], b[0]), max(a[1], b[1])
+                    area = union[0] * union[1]
+                    extra = count[a] * (area - a[0] * a[1]) + count[b] * (area - b[0] * b[1])  # padded tokens
+                    if area <= self.max_tokens and (best is None or extra < best[0]):
+                        best = extra, a, b, union
+                if best is None or best[0] >= self.capture_tokens:
+                    break
+                _, a, b, union = best
+                merged = count.pop(a) + count.pop(b)
+                count[union] += merged  # (union may be a or b, or a third bucket already there)
+            self.fitted[lora] = sorted(count)
 
     def may_capture(self, pool_bytes: int) -> bool:
         """Another capture is allowed: under the graph count, and the pool so far under the memory limit."""
@@ -103,7 +138,7 @@ class GraphRunner:
     def replay(self, ids: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, int] | None:
         B, L = ids.shape
         lora = max(slots) >= 0
-        shape = self.plan.bucket(B, L)
+        shape = self.plan.bucket(B, L, lora)
         key = (*shape, lora) if shape else None
         if key is not None and key not in self.graphs and self.plan.may_capture(self.pool_bytes):
             self.graphs[key] = self._capture(*key)

@@ -36,6 +36,26 @@ def engine(model_dir, adapters, dtype=torch.bfloat16, **kw):
     return Engine(model, [load_adapter(p, n, model) for n, p in adapters.items()], **kw)
 
 
+def test_a_batch_in_a_fitted_bucket_replays_the_eager_forward(moe_model, adapters, seed):
+    """Buckets fitted to a run (Engine.expect): a batch lands in the fitted bucket, larger than its rounded one,
+    and its replay equals the eager forward of the batch padded the same way, bit for bit."""
+    e = engine(moe_model, adapters)
+    e.expect([(3, 40, True), (4, 48, True)])  # merged: (3, 40) -> (4, 48), 3 x 40 -> 4 x 48
+    assert e.graphs.plan.fitted[True] == [(4, 48)]
+    seqs = random_sequences(3, VOCAB, seed=seed, min_len=30, max_len=40)
+    slots = [e._slot(t, i) for i, t in enumerate(["peft", None, "tinker"])]
+    hidden, length = e._forward(seqs, slots)[:2]
+    assert length == 48 and hidden.shape[0] == 4 * 48
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    padded, token_slots = pad_to_bucket(ids, slots, 4, 48)
+    replayed = hidden.clone()
+    eager = e._build(padded.cuda(), token_slots.cuda(), True)
+    assert torch.equal(replayed, eager)
+    assert e.graph_stats()["buckets"] == [(4, 48)]
+
+
 def test_replay_equals_eager_on_the_same_padded_batch(moe_model, adapters, seed):
     e = engine(moe_model, adapters)
     seqs = random_sequences(3, VOCAB, seed=seed, min_len=20, max_len=40)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lora_eval import Batch, Engine
+from lora_eval.batching import make_batches
 from lora_eval.models import load_model
 from lora_eval.runners.graphs import MIN_LENGTH, BucketPlan, pad_to_bucket, round_length, round_rows
 from tests.builders import random_sequences
@@ -49,6 +50,41 @@ def test_plan_stops_capturing_at_the_graph_count_and_memory_limits():
     plan.captured[(1, 16, True)] = 500
     assert not plan.may_capture(500)  # two graphs already
     assert BucketPlan(max_memory=None).may_capture(10**15)
+
+
+def test_fitted_buckets_hold_every_batch_and_each_merge_pays_for_itself(seed):
+    """A compare-like run (random lengths, batches under a token budget, adapter and base batches): the fitted
+    buckets hold every batch, no bucket passes max_tokens, there are fewer buckets than rounded shapes, and the
+    padding the merges added stays under what the captures they saved cost."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(128, 2048) for _ in range(rng.randint(60, 200))]
+    batches = make_batches(lengths, 4096)
+    shapes = [(len(b), max(lengths[i] for i in b), rng.random() < 0.5) for b in batches]
+    plan = BucketPlan(max_tokens=16384)
+    plan.fit(shapes)
+    for lora in (False, True):
+        mine = [(r, n) for r, n, v in shapes if v == lora]
+        rounded = {(round_rows(r), round_length(n)) for r, n in mine}
+        chosen = [plan.bucket(r, n, lora) for r, n in mine]
+        assert all(b is not None and b[0] >= r and b[1] >= n and b[0] * b[1] <= 16384
+                   for b, (r, n) in zip(chosen, mine))
+        assert set(chosen) <= set(plan.fitted[lora]) and len(plan.fitted[lora]) <= len(rounded)
+        extra = sum(b[0] * b[1] - round_rows(r) * round_length(n) for b, (r, n) in zip(chosen, mine))
+        assert 0 <= extra < (len(rounded) - len(set(chosen))) * plan.capture_tokens or extra == 0
+    assert sum(map(len, plan.fitted.values())) < len({(round_rows(r), round_length(n), v) for r, n, v in shapes})
+
+
+def test_fit_merges_cheap_neighbours_and_keeps_costly_ones_apart():
+    plan = BucketPlan(max_tokens=16384, capture_tokens=10_000)
+    plan.fit([(2, 1024, True)] * 3 + [(2, 1280, True)] * 3  # 3 x 512 padded tokens: merged into (2, 1280)
+             + [(1, 2048, True), (12, 384, True)]  # their union, 12 x 2048, passes max_tokens: kept apart
+             + [(4, 256, False)] * 40 + [(4, 320, False)] * 40)  # 40 x 256 = 10,240 tokens: more than a capture
+    assert plan.fitted[True] == [(1, 2048), (2, 1280), (12, 384)]
+    assert plan.fitted[False] == [(4, 256), (4, 320)]
+    assert plan.bucket(2, 1000, True) == (2, 1280) and plan.bucket(2, 1000, False) == (2, 1024)  # unfitted: rounded
+    assert plan.bucket(3, 300, False) == (4, 320) and plan.bucket(3, 250, False) == (4, 256)
+    plan.fit([])
+    assert plan.bucket(2, 1000, True) == (2, 1024)  # a new fit replaces the last
 
 
 def test_padding_into_a_bucket(seed):
