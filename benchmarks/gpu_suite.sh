@@ -8,9 +8,10 @@
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py; STEP_S (120)
 # limits each check and benchmark (a cut one's log says so: no summary line).
-# The tests run in GPU_TEST_WORKERS (4) pytest-xdist processes on one GPU: a serial run spends most of its time
+# The tests run in GPU_TEST_WORKERS (6) pytest-xdist processes on one GPU: a serial run spends most of its time
 # compiling Triton kernels one after another on one CPU core, which processes do side by side (H200: 463 s serially
-# at 7d35a35, 139 s in 4 processes at 0fceba8; BENCHMARKS.md); 1 runs them in one process.
+# at 7d35a35, 139 s in 4 processes at 0fceba8; H100, 16 cores: 184 s in 4 processes, 174 s in 6 at 62a3f15;
+# BENCHMARKS.md); 1 runs them in one process.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 RES=$OUT/gpu_suite
@@ -21,7 +22,7 @@ mkdir -p "$RES"
 source benchmarks/gpu_setup.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the check imports tests.builders
 GPUS=$(nvidia-smi -L | wc -l)
-WORKERS=${GPU_TEST_WORKERS:-4}
+WORKERS=${GPU_TEST_WORKERS:-6}
 STEP_S=${STEP_S:-120}  # each check and benchmark's limit, so that the script packs its results inside one call
 [ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS") || XDIST=()
 

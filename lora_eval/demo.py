@@ -132,11 +132,9 @@ def write_prompts(path: Path) -> Path:
 DEMO_OPTIONS = EngineOptions(dtype="float32")  # the GPU where there is one; float32, as the trainer reference
 
 
-def run_demo(out: str | Path, quiet: bool = False, options: EngineOptions = DEMO_OPTIONS, notice=print):
-    """Build everything under `out`, dump the trainer reference (float32) and run compare as `options` say (by
-    default float32 on this machine's GPU, or its CPU: the tiny random demo model's peaked distributions move by
-    more than the default k2 threshold in bfloat16 — k2 > 5e-3 for the shared-outer adapter on an H100); returns
-    the CompareResult."""
+def build_demo(out: str | Path, quiet: bool = False, notice=print) -> tuple[Path, dict[str, Path], Path]:
+    """The demo's inputs under `out`: the model folder, its two adapters ({name: folder}) and the trainer reference
+    (transformers + PEFT in float32); returns (model folder, adapters, reference file)."""
     out = Path(out)
     model_dir = out / "model"
     with quiet_libraries():
@@ -148,4 +146,13 @@ def run_demo(out: str | Path, quiet: bool = False, options: EngineOptions = DEMO
     reference = out / "reference.parquet"
     dump_reference(model_dir, adapters, prompts, reference, options=EngineOptions(dtype="float32"), quiet=quiet,
                    notice=notice)
-    return compare(model_dir, adapters, [reference], out=out / "report", options=options, quiet=quiet, notice=notice)
+    return model_dir, adapters, reference
+
+
+def run_demo(out: str | Path, quiet: bool = False, options: EngineOptions = DEMO_OPTIONS, notice=print):
+    """Build the demo's inputs under `out` (`build_demo`) and run compare as `options` say (by default float32 on
+    this machine's GPU, or its CPU: the tiny random demo model's peaked distributions move by more than the default
+    k2 threshold in bfloat16 — k2 > 5e-3 for the shared-outer adapter on an H100); returns the CompareResult."""
+    model_dir, adapters, reference = build_demo(out, quiet, notice)
+    return compare(model_dir, adapters, [reference], out=Path(out) / "report", options=options, quiet=quiet,
+                   notice=notice)

@@ -31,7 +31,9 @@ from .compile_clock import COMPILE_CLOCK
 MIN_LENGTH = 16
 # A capture (its warm-up and recording, the kernels' first loads for the shape) costs about as much as the forward of
 # this many tokens: H200, 24-layer Qwen3-30B-A3B, compare with Triton's cache warm: 21 graphs in 7.35 s (0.35 s each)
-# against a forward of 143,000 tokens/s, i.e. ~50,000 tokens a capture (BENCHMARKS-history.md section 11).
+# against a forward of 143,000 tokens/s, i.e. ~50,000 tokens a capture (BENCHMARKS-history.md section 11). Checked
+# by A/B on one H200 (section 12): the fit took that run from 21 graphs to 4, capture 5.5 -> 1.7 s, forward 1.0 ->
+# 1.9 s (the padding), together 6.5 -> 3.6 s.
 CAPTURE_TOKENS = 50_000
 
 
