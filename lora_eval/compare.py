@@ -42,7 +42,7 @@ from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER,
                       read_run, table_files)
 from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
 from .runners.compile_clock import COMPILE_CLOCK
-from .tokenizer import load_tokenizer
+from .tokenizer import load_decoder
 
 CONTEXT_TOKENS = 12  # tokens of context shown before a worst token
 # The adapter applied gate runs at most this many rows / tokens of each adapter again under the base model: a few
@@ -179,9 +179,9 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                 summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns
                                                              if c not in COMPARE_SUMMARY_COLUMNS]]
             with phases("load"):  # the tokenizer, for the worst tokens' text alone (only the rank that merges)
-                tokenizer = load_tokenizer(model)
+                decode = load_decoder(model)
             with phases("metrics"):
-                worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), tokenizer)
+                worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), decode)
             gate_record = dict(
                 adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS,
                                    eps=eps, batches=len(gate_batches), rows=len(gate_rows),
@@ -199,7 +199,7 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                                   computed_share=tokens_computed / max(sum(lengths[i] for b in units for i in b), 1),
                                   this_process=engine.prefix_stats()),
                 tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9), gates=gate_record,
-                quantization=engine.model.args.quantization, tokenizer=str(model) if tokenizer else None,
+                quantization=engine.model.args.quantization, tokenizer=str(model) if decode else None,
                 cuda_graphs=engine.graph_stats())
             result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run, gates=gates)
             result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
@@ -328,10 +328,11 @@ def _token_table(refs: pd.DataFrame, engine_lp: list) -> pd.DataFrame:
         sampler=sampler, sampler_d=ref - sampler))
 
 
-def worst_tokens(tokens: pd.DataFrame, input_ids: dict[str, list[int]], tokenizer=None,
+def worst_tokens(tokens: pd.DataFrame, input_ids: dict[str, list[int]], decode=None,
                  per_adapter: int = WORST_PER_ADAPTER, context: int = CONTEXT_TOKENS) -> pd.DataFrame:
     """The `per_adapter` masked tokens with the largest |d| of each adapter, with the decoded token and the
-    `context` tokens before it (token ids in brackets when there is no tokenizer)."""
+    `context` tokens before it (`decode`: token ids -> text, tokenizer.load_decoder; token ids in brackets
+    without one)."""
     masked = tokens[tokens["mask"].astype(bool)].assign(abs_d=lambda t: t["d"].abs())
     rows = []
     for _, group in masked.groupby("adapter", sort=False):
@@ -345,13 +346,11 @@ def worst_tokens(tokens: pd.DataFrame, input_ids: dict[str, list[int]], tokenize
             ids = list(input_ids[row.sample_id])
             p = int(row.position)  # predicts ids[p + 1] from ids[:p + 1]
             rows.append(dict(adapter=row.adapter, sample_id=row.sample_id, position=p, token_id=int(row.token_id),
-                             token=_decode(tokenizer, [ids[p + 1]]),
-                             context=_decode(tokenizer, ids[max(0, p + 1 - context):p + 1]),
+                             token=_decoded(decode, [ids[p + 1]]),
+                             context=_decoded(decode, ids[max(0, p + 1 - context):p + 1]),
                              ref=row.ref, engine=row.engine, d=row.d, sampler=row.sampler))
     return pd.DataFrame(rows, columns=WORST_COLUMNS)
 
 
-def _decode(tokenizer, ids: list[int]) -> str:
-    if tokenizer is None:
-        return "".join(f"[{i}]" for i in ids)
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+def _decoded(decode, ids: list[int]) -> str:
+    return "".join(f"[{i}]" for i in ids) if decode is None else decode(ids)

@@ -21,6 +21,8 @@ import importlib
 import io
 import json
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 from pathlib import Path
@@ -40,6 +42,7 @@ from lora_eval.references import read_reference, write_reference
 from lora_eval.report import phase_times, render
 from lora_eval.results import COMPARE_SUMMARY_COLUMNS, MmluResult, Phases, read_run
 from tests.cli_checks import assert_input_error, assert_no_traceback, save_run
+from tests.test_distributed import demo, demo_compare  # noqa: F401 - demo is a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = ROOT / "references"
@@ -475,7 +478,7 @@ def test_worst_tokens_pick_the_largest_masked_diffs(seed):
                              sampler=np.nan))
     tokens = pd.DataFrame(rows)
     tokens.loc[~tokens["mask"], "d"] = 100.0  # masked out: must never be listed
-    worst = worst_tokens(tokens, input_ids, tokenizer=None, per_adapter=4, context=5)
+    worst = worst_tokens(tokens, input_ids, decode=None, per_adapter=4, context=5)
     for adapter, group in tokens[tokens["mask"]].groupby("adapter"):
         expected = group.assign(a=group["d"].abs()).sort_values("a", ascending=False).head(4)
         got = worst[worst["adapter"] == adapter]
@@ -486,6 +489,61 @@ def test_worst_tokens_pick_the_largest_masked_diffs(seed):
             assert row.context == "".join(f"[{t}]" for t in ids[max(0, row.position - 4):row.position + 1])
 
 
+def _wordpiece_tokenizer(out: Path):
+    """A BERT-like WordPiece (its decoder joins "##" pieces and spaces words: the clean-up that decoding turns off
+    matters here), with [CLS] / [SEP] special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]", "[CLS]", "[SEP]"],
+                                        show_progress=False)
+    tok.train_from_iterator(["Don't stop: it's 3.5 times the model's loss , isn't it ?"] * 20, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]",
+                            sep_token="[SEP]").save_pretrained(str(out))
+
+
+@pytest.mark.parametrize("kind", ["byte-level-bpe", "wordpiece"])
+def test_decoder_equals_transformers_decode(tmp_path, seed, kind):
+    """load_decoder reads tokenizer.json without transformers; its text equals transformers' decode (special
+    tokens kept, no clean-up) for random ids, special ones among them; None without a readable tokenizer."""
+    from transformers import AutoTokenizer
+
+    from lora_eval.demo import build_tokenizer
+    from lora_eval.tokenizer import load_decoder
+
+    build_tokenizer(tmp_path) if kind == "byte-level-bpe" else _wordpiece_tokenizer(tmp_path)
+    oracle = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    decode = load_decoder(tmp_path)
+    rng = np.random.default_rng(seed)
+    special = oracle.all_special_ids
+    assert special
+    for _ in range(50):
+        ids = [int(i) for i in rng.integers(0, len(oracle), int(rng.integers(1, 12)))]
+        ids.insert(int(rng.integers(0, len(ids) + 1)), int(rng.choice(special)))
+        assert decode(ids) == oracle.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert load_decoder(empty) is None
+    (empty / "tokenizer.json").write_text("{not json")
+    assert load_decoder(empty) is None
+
+
+def test_compare_reads_its_tokenizer_without_transformers(demo, tmp_path):  # noqa: F811 - the fixture
+    """A compare run in a fresh process decodes its worst tokens (text, not ids) and never imports transformers."""
+    out = tmp_path / "run"
+    code = ("import sys; from lora_eval.cli import main; sys.argv = ['lora-eval', *sys.argv[1:]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    print('exit', e.code, 'transformers' in sys.modules)")
+    args = [str(a) for a in demo_compare(demo, out)] + ["--device", "cpu", "--quiet", "--max-k2", "1e9"]
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip().splitlines()[-1] == "exit 0 False", (done.stdout, done.stderr)
+    assert json.loads((out / "run.json").read_text())["tokenizer"] == str(demo / "model")
+    worst = pd.read_parquet(out / "worst_tokens.parquet")
+    assert len(worst) > 0 and not worst["token"].str.fullmatch(r"(\[\d+\])+").any()  # text, not ids
+
+
 def test_worst_tokens_break_ties_at_the_cut_as_a_full_sort(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(200, 400))
@@ -494,7 +552,7 @@ def test_worst_tokens_break_ties_at_the_cut_as_a_full_sort(seed):
                                d=rng.choice([-0.3, -0.2, 0.2, 0.3, 0.1], n), mask=rng.random(n) < 0.8,
                                sampler=np.nan))  # few distinct |d|: many ties at the 6th place
     input_ids = {f"s{i}": [int(t) for t in rng.integers(0, 50, n + 1)] for i in range(7)}
-    worst = worst_tokens(tokens, input_ids, tokenizer=None, per_adapter=6, context=3)
+    worst = worst_tokens(tokens, input_ids, decode=None, per_adapter=6, context=3)
     for adapter, group in tokens[tokens["mask"]].groupby("adapter"):
         expected = group.assign(a=group["d"].abs()).sort_values(["a", "sample_id", "position"],
                                                                 ascending=[False, True, True]).head(6)
