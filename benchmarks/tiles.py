@@ -592,10 +592,10 @@ def attention(b: Bench, args):
 
 # ----------------------------------------------------------------------------------- matmul (batch-invariant)
 
-MATMUL_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st)
-                for m, n, k, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                                       (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4),
-                                       (128, 64, 64, 4, 4), (128, 128, 128, 8, 3)]]
+MATMUL_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st, TMA=tma, PERSISTENT=persistent)
+                for m, n, k, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                                       (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
+                for tma, persistent in [(False, False), (True, False), (True, True)]]
 
 
 def matmul_sweep(b: Bench, args):

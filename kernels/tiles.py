@@ -130,21 +130,32 @@ TOKENS_PER_PROGRAM = 32
 # ------------------------------------------------------------- batch-invariant mode (--batch-invariant, issue #23)
 
 # Every launch setting that otherwise follows the batch's size is fixed, so that a row's result does not depend on
-# the rows around it or the padding (lora_eval/forward.py `invariant`). The mode costs 15-19% end to end (H200, 48
-# layers, 4 x 1024: base 60.2 -> 71.4 ms, lora-1 68.1 -> 78.7 ms; BENCHMARKS-history.md section 9): the dense GEMM
-# below ~5 ms of it, the attention ~2 ms. The MoE config is the default's for large batches less its data-dependent
-# choices; the split counts sit inside the ranges the default picks by batch size (shrink 1-16, vocabulary 1-594).
-# The fused MoE: MOE_CONFIGS' 128-row blocks without the data-dependent choices — a half-height tile for an expert's
-# half-empty last block (half_tail) and the side-by-side shrink of a block's slots (all_slots_max 0: one pass per slot,
-# the same dot for a row whatever slots share its block) — and without the Gluon GEMMs of the largest batches.
+# the rows around it or the padding (lora_eval/forward.py `invariant`). The mode cost 15-19% end to end before the
+# GEMM below went through TMA on a persistent grid and the MoE kept its half-height tail tiles and its down pair
+# shrink (H200, 48 layers, 4 x 1024: base 60.2 -> 71.4 ms, lora-1 68.1 -> 78.7 ms; BENCHMARKS-history.md sections 9
+# and 12). The split counts sit inside the ranges the default picks by batch size (shrink 1-16, vocabulary 1-594).
+# The fused MoE: MOE_CONFIGS' 128-row blocks less the choices that would change a row's sums — the side-by-side
+# shrink of a block's slots (all_slots_max 0: one pass per slot, the same dot for a row whatever slots share its
+# block) and the Gluon GEMMs of the largest batches. The half-height tile of an expert's half-empty last block
+# (half_tail) and the down shrink inside the down GEMM (pair_shrink) stay: the same K steps in the same order, and
+# the GPU tests that shuffle, split and pad batches stay bit-equal with them (H100: invariant base 73.52 -> 71.96
+# ms, lora-1 82.71 -> 81.93 with them; section 12).
 INVARIANT_MOE = MoeConfig(128, gate_up=_tiles(128, 64, 8, 4), down=_tiles(256, 64, 8, 4), w_tma=True,
-                          expand_first=True, shrink=_SHRINK_128, all_slots_max=0)
+                          expand_first=True, half_tail=True, pair_shrink=True, shrink=_SHRINK_128, all_slots_max=0)
 INVARIANT_SHRINK_SPLITS = 4  # the dense LoRA shrink's partial sums over `in` (else shrink_splits, by batch size)
 INVARIANT_VOCAB_SPLITS = 8  # the fused logprobs' vocabulary splits (else logprobs.split_vocab, by rows)
-# The dense projections' GEMM (matmul.py) in place of cuBLAS, whose kernel choice follows the batch's size. H200,
-# 4096 tokens (benchmarks/tiles.py matmul): 0.73x cuBLAS at q/k/v's shape, 0.68x at o_proj's; the sweep's best
-# (256 x 128 x 64, 8 warps) reaches 0.77x / 0.76x, too little to bring the mode under 10% (TMA loads next).
-MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# The dense projections' GEMM (matmul.py) in place of cuBLAS, whose kernel choice follows the batch's size. H100,
+# 4096 tokens (benchmarks/tiles.py matmul; BENCHMARKS-history.md section 12), ms against cuBLAS's 0.1281 / 0.1014 /
+# 0.0060 at q/k/v's, o_proj's and the router's shapes, every tile bit-equal to cuBLAS:
+#   128 x 256 x 64, 8 warps, 3 stages, TMA loads, persistent grid   0.1323 / 0.0997 / 0.0215
+#   the same with pointer loads, one program a tile                  0.1526 / 0.1226 / 0.0255
+#   128 x 128 x 64, TMA, persistent                                  0.1798 / 0.1350 / 0.0122
+#   128 x 128 x 64, pointer loads, one program a tile (before)       0.1681 / 0.1300 / 0.0160
+# so 256-wide tiles, but 128 for outputs narrower than 256 (the router) and in float32 (whose 256-wide tiles pass
+# the 227 KB of shared memory). The choice follows the weight's shape and dtype alone, never the batch.
+MATMUL_TILES = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True,
+                    PERSISTENT=True)
+MATMUL_NARROW = dict(BLOCK_N=128)  # outputs narrower than 256, and float32
 
 # --------------------------------------------------------------------- prefixed attention (prefix_attention.py)
 

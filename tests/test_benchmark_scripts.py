@@ -22,7 +22,7 @@ def run_script(*args: str) -> str:
 
 
 @pytest.mark.parametrize("op, args, settings", [
-    ("matmul", ["--tokens", "16"], 8 * 3),  # MATMUL_SWEEP x (q/k/v, o_proj, router)
+    ("matmul", ["--tokens", "16"], 18 * 3),  # MATMUL_SWEEP x (q/k/v, o_proj, router)
     ("attention", ["--rows", "2", "--prefix", "8", "--suffix", "8"], 6),  # ATTENTION_TILES
     ("small", ["--tokens", "16"], 6 * 3),  # SMALL_SWEEP x (router top-k, RMSNorm, RoPE)
 ])

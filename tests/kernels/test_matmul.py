@@ -13,6 +13,10 @@ from lora_eval.kernels.tiles import MATMUL_TILES
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+POINTERS = dict(TMA=False, PERSISTENT=False)  # the kernel's other paths, which must give the same bits
+TMA_ONE_A_TILE = dict(TMA=True, PERSISTENT=False)
+
+
 def _check(M, K, N, dtype, tol, seed, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(device, dtype)
@@ -24,15 +28,22 @@ def _check(M, K, N, dtype, tol, seed, device=DEVICE):
     assert (matmul(x, w).float() - matmul_ref(x, w).float()).abs().max().item() < tol
     order = torch.randperm(M, generator=g).to(device)
     assert torch.equal(matmul(x[order], w, b), y[order])  # shuffled
-    assert torch.equal(matmul(x[3:4], w, b), y[3:4])  # one row alone
+    assert torch.equal(matmul(x[3:4], w, b), y[3:4])  # one row alone (a view 3 rows in: off TMA's alignment)
     more = torch.cat([x, torch.randn(2 * MATMUL_TILES["BLOCK_M"] + 5, K, generator=g).to(device, dtype)])
     assert torch.equal(matmul(more, w, b)[:M], y)  # among more rows, in other tiles of the grid
+    for tiles in (POINTERS, TMA_ONE_A_TILE):
+        assert torch.equal(matmul(x, w, b, tiles=tiles), y), tiles
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
-def test_matches_reference_and_is_batch_invariant(seed, dtype, tol):
-    """Odd sizes: M, K and N none a multiple of their tile (masked tails everywhere)."""
-    _check(MATMUL_TILES["BLOCK_M"] + 9, 2 * MATMUL_TILES["BLOCK_K"] + 7, 45, dtype, tol, seed)
+@pytest.mark.parametrize("K", [2 * MATMUL_TILES["BLOCK_K"] + 7, 2 * MATMUL_TILES["BLOCK_K"] + 8],
+                         ids=["pointer-loads", "tma"])
+@pytest.mark.parametrize("N", [45, 300], ids=["narrow", "wide"])
+def test_matches_reference_and_is_batch_invariant(seed, dtype, tol, K, N):
+    """Odd sizes: M and N no multiple of their tile, K neither (the tail of the last step masked, or read as zeros
+    through TMA). K + 7: rows off 16 bytes, pointer loads; K + 8: TMA where the tiles ask for it. N 45: the narrow
+    tiles; 300: the wide ones in float16."""
+    _check(MATMUL_TILES["BLOCK_M"] + 9, K, N, dtype, tol, seed)
 
 
 @pytest.mark.gpu
