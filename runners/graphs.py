@@ -30,11 +30,12 @@ from .compile_clock import COMPILE_CLOCK
 
 MIN_LENGTH = 16
 # A capture (its warm-up and recording, the kernels' first loads for the shape) costs about as much as the forward of
-# this many tokens: H200, 24-layer Qwen3-30B-A3B, compare with Triton's cache warm: 21 graphs in 7.35 s (0.35 s each)
-# against a forward of 143,000 tokens/s, i.e. ~50,000 tokens a capture (BENCHMARKS-history.md section 11). Checked
-# by A/B on one H200 (section 12): the fit took that run from 21 graphs to 4, capture 5.5 -> 1.7 s, forward 1.0 ->
-# 1.9 s (the padding), together 6.5 -> 3.6 s.
-CAPTURE_TOKENS = 50_000
+# this many tokens. 24-layer Qwen3-30B-A3B, compare with Triton's cache warm (BENCHMARKS-history.md sections 11, 12):
+# 0.26-0.35 s a capture (H200) against a forward of 106,000-143,000 tokens/s, i.e. 28,000-50,000 tokens. On that
+# job's reference (41 batches, 139,046 tokens) 30,000 gives 5 graphs computing 1.48x the tokens, 50,000 gave 4 and
+# 1.81x: the same capture + forward by these costs (2.74 / 2.80 s, H200), with a third less padding. (The A/B that
+# took 50,000 on one H200: 21 graphs -> 4, capture + forward 6.52 -> 3.57 s.)
+CAPTURE_TOKENS = 30_000
 
 
 def round_length(n: int) -> int:
