@@ -15,6 +15,8 @@ if compgen -G ".whl/gpu/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gpu/*.whl \
     >> "${OUT:-.}/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# the image's site-packages ship no .pyc: each fresh process compiled transformers & co. again (2.7-5.8 s, session
-# 18's profile of a compare); a pip-installed environment has them, so the figures here should too
+# the image's site-packages ship no .pyc: each fresh process compiled torch, pandas, matplotlib & co. again (session
+# 19's profile of a warm compare: 1,571 modules compiled, 4.2 s); a pip-installed environment has them, so the
+# figures here should too: .pyc files go to a writable prefix, and are written (PYTHONDONTWRITEBYTECODE unset)
+unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}

@@ -40,7 +40,7 @@ from .references import read_reference
 from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, Phases, no_gates,
                       read_run, table_files)
-from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
 from .runners.compile_clock import COMPILE_CLOCK
 from .tokenizer import load_decoder
 
@@ -85,6 +85,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         with phases("read"):  # the references, read and checked, and the work planned from their token ids
             args = model_config(model)[1]
             refs = _read_references(references, adapters, args.vocab_size)
+            digests = InputDigests(model, adapters, {f"reference {i}/{Path(_ref_path(r)).name}": _ref_path(r)
+                                                     for i, r in enumerate(references)})  # (result() below)
             lengths = [len(ids) for ids in refs["input_ids"]]
             use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
             if options.prefix_cache and options.expert_parallel:
@@ -118,10 +120,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                             adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
                             if check_adapters else None, prefix_cache=use_prefixes,
                             engine="given" if engine is not None else "loaded")
-        with phases("read"):  # the inputs' fingerprints (the references whole, the weights sampled)
-            files = {**model_files(model), **adapter_files(adapters),
-                     **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
-                        for i, r in enumerate(references)}}
+        with phases("read"):  # the inputs' fingerprints (the references whole, the weights sampled), hashed meanwhile
+            files = digests.result()
             package_versions = versions()
     with RunFolder(out, "compare", fingerprint("compare", files, task_options, package_versions),
                    dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:

@@ -69,7 +69,7 @@ from .plan import check_fits, host_memory_available, plan
 from .references import read_reference
 from .results import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult, Phases,
                       diagnose_table_files, read_diagnose)
-from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
 
 FREE_RUNNING = "free-running"
 LAYER_BY_LAYER = "layer by layer on the same inputs"
@@ -124,11 +124,10 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
     task_options = dict(options.record(), samples=samples, against_dtype=against_dtype, measured=measured,
                         batch_tokens=batch_tokens, rule=rule)
-    files = {**model_files(model), **adapter_files(adapters),
-             **{f"reference {i}/{Path(_ref_path(r)).name}": file_digest(Path(_ref_path(r)))
-                for i, r in enumerate(references)}}
+    files = InputDigests(model, adapters, {f"reference {i}/{Path(_ref_path(r)).name}": _ref_path(r)
+                                           for i, r in enumerate(references)}).result()
     if against_model is not None:
-        files.update({f"against-{k}": v for k, v in model_files(against_model).items()})
+        files.update(InputDigests(against_model, prefix="against-").result())
 
     with RunFolder(out, "diagnose", fingerprint("diagnose", files, task_options, versions()),
                    dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:

@@ -36,7 +36,7 @@ from .prefixes import common_length, grouped_order, prefix_bytes_per_token
 from .report import report_files
 from .results import MmluResult, Phases, read_run, table_files
 from .runners.compile_clock import COMPILE_CLOCK
-from .runfolder import RunFolder, adapter_files, check_out, file_digest, fingerprint, model_files, now, versions
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
 from .tokenizer import load_tokenizer
 
 BATCH_TOKENS = 16384
@@ -101,6 +101,9 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 _, dev_files, dev = read_split(data, "dev")
                 files += dev_files
                 dev = check_shots(dev, questions, shots, layout, data)
+            data_root = Path(data)
+            digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
+                                                     for path in sorted(set(files))})  # (result() below)
 
         with phases("load"):  # the tokenizer
             config, args = model_config(model)
@@ -147,13 +150,11 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 rows_prefix, suffix = None, lengths
                 batches = make_batches(lengths, batch_tokens)
 
-        data_root = Path(data)
         task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
                             max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
                             engine="given" if engine is not None else "loaded")
-        with phases("data"):  # the inputs' fingerprints (the data files whole, the weights sampled)
-            inputs = {**model_files(model), **adapter_files(adapters),
-                      **{f"data/{path.relative_to(data_root)}": file_digest(path) for path in sorted(set(files))}}
+        with phases("data"):  # the inputs' fingerprints (the data files whole, the weights sampled), hashed meanwhile
+            inputs = digests.result()
             package_versions = versions("datasets", "tokenizers")
     with RunFolder(out, "mmlu", fingerprint("mmlu", inputs, task_options, package_versions),
                    dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:

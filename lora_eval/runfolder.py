@@ -36,6 +36,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -137,25 +138,22 @@ def weights_digest(path: Path) -> str:
     return f"sampled-sha256:{h.hexdigest()}"
 
 
-def model_files(model_dir: str | Path) -> dict[str, str]:
-    """Fingerprints of a model folder's files: config, tokenizer and index files whole, weight files sampled."""
-    model_dir = Path(model_dir)
-    files = {}
-    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
-        if path.suffix == ".safetensors":
-            files[f"model/{path.name}"] = weights_digest(path)
-        elif path.suffix == ".json":
-            files[f"model/{path.name}"] = config_digest(path)
-        elif path.suffix in (".json", ".txt", ".model", ".tiktoken", ".jinja") or path.name.startswith("tokenizer"):
-            files[f"model/{path.name}"] = file_digest(path)
-    return files
+def _model_file_digest(path: Path, probe: bool = False):
+    """A model folder's file: weights sampled, config (JSON) by content, tokenizer files whole; others are not part
+    of the fingerprint (`probe`: whether this file is)."""
+    if path.suffix == ".safetensors":
+        return True if probe else weights_digest(path)
+    if path.suffix == ".json":
+        return True if probe else config_digest(path)
+    if path.suffix in (".txt", ".model", ".tiktoken", ".jinja") or path.name.startswith("tokenizer"):
+        return True if probe else file_digest(path)
+    return False
 
 
-def adapter_files(adapters: dict[str, str | Path]) -> dict[str, str]:
-    """Fingerprints of every adapter folder's adapter_* files, under the adapter's name; adapter_config.json by its
-    content (PEFT writes its sets, e.g. target_modules, in a different order each time it saves)."""
-    return {f"adapter {name}/{path.name}": config_digest(path) if path.suffix == ".json" else file_digest(path)
-            for name, folder in adapters.items() for path in sorted(Path(folder).glob("adapter_*")) if path.is_file()}
+def _adapter_file_digest(path: Path) -> str:
+    """An adapter folder's adapter_* file: whole; adapter_config.json by its content (PEFT writes its sets, e.g.
+    target_modules, in a different order each time it saves)."""
+    return config_digest(path) if path.suffix == ".json" else file_digest(path)
 
 
 def config_digest(path: Path) -> str:
@@ -176,6 +174,36 @@ def config_digest(path: Path) -> str:
         return file_digest(path)
     text = json.dumps(canonical(data), sort_keys=True, separators=(",", ":"))
     return f"json-sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+class InputDigests:
+    """The fingerprints of a run's input files: the model folder's (`model_files`), the adapters' (`adapter_files`)
+    and `files` (name -> path, hashed whole: references, data files, prompts), each file on a background thread
+    from the moment the task knows its inputs, while it goes on reading and checking them; `result()` waits for
+    them where the run folder is opened. File reads and hashlib release the GIL. Hashed in line, the whole-file
+    sha256 of a compare's adapter and reference was most of its read phase (H100, 24-layer checkpoint: 1.1 s;
+    BENCHMARKS-history section 13). A digest's failure (a file gone since) is raised by `result()`; one the task's
+    own checks find first is never raised."""
+
+    _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lora-eval-digest")
+
+    def __init__(self, model: str | Path | None = None, adapters: dict[str, str | Path] | None = None,
+                 files: dict[str, str | Path] | None = None, prefix: str = ""):
+        jobs = []
+        if model is not None:
+            model_dir = Path(model)
+            jobs += [(f"model/{p.name}", _model_file_digest, p) for p in sorted(model_dir.iterdir())
+                     if p.is_file() and _model_file_digest(p, probe=True)] if model_dir.is_dir() else []
+        for name, folder in (adapters or {}).items():
+            if Path(folder).is_dir():
+                jobs += [(f"adapter {name}/{p.name}", _adapter_file_digest, p)
+                         for p in sorted(Path(folder).glob("adapter_*")) if p.is_file()]
+        jobs += [(name, file_digest, Path(path)) for name, path in (files or {}).items()]
+        self.prefix = prefix
+        self._futures = {name: self._pool.submit(fn, path) for name, fn, path in jobs}
+
+    def result(self) -> dict[str, str]:
+        return {f"{self.prefix}{name}": future.result() for name, future in self._futures.items()}
 
 
 def versions(*extra: str) -> dict[str, str]:

@@ -29,8 +29,7 @@ from .models import load_model
 from .models.layers import interleave_gate_up
 from .prompts import read_prompts
 from .references import read_reference, reference_bytes
-from .runfolder import (RECORD_KEY, RunFolder, Work, adapter_files, check_out, file_digest, fingerprint, model_files,
-                        versions)
+from .runfolder import RECORD_KEY, InputDigests, RunFolder, Work, check_out, fingerprint, versions
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
 
@@ -56,8 +55,7 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
         task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
                             gate_up_layout=options.gate_up_layout, default_adapter=default_adapter,
                             threads=record["threads"])
-        files = {**model_files(model_dir), **adapter_files(adapters),
-                 f"prompts/{Path(prompts).name}": file_digest(Path(prompts))}
+        files = InputDigests(model_dir, adapters, {f"prompts/{Path(prompts).name}": prompts}).result()
         arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()},
                          prompts=str(prompts), default_adapter=default_adapter)
     with RunFolder(out, "dump-reference", fingerprint("dump-reference", files, task_options, versions()),

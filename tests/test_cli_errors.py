@@ -536,3 +536,25 @@ def test_console_script_end_to_end(art):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"error: {art.wide_adapter / 'adapter_model.safetensors'}: "
                                f"{PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight: ")
+
+
+def test_console_script_ends_at_once_with_everything_said(art):
+    """main() ends the process with os._exit once the command returns: its output (a pipe: block-buffered) is all
+    there, the exit handlers ran (atexit: the process group's teardown lives there), the command's exit code."""
+    probe = ("import atexit, sys\n"
+             "import lora_eval.cli as cli\n"
+             "atexit.register(lambda: print('exit handler ran'))\n"
+             "sys.argv = ['lora-eval'] + sys.argv[1:]\n"
+             "cli.main()\n"
+             "print('not reached')\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    good = subprocess.run([sys.executable, "-c", probe, "inspect", "--model", str(art.model),
+                           "--adapter", f"peft={art.peft_all}"], capture_output=True, text=True, timeout=120, env=env)
+    assert good.returncode == 0, good.stderr
+    lines = good.stdout.splitlines()
+    assert lines[0].startswith("model: qwen3_moe,") and lines[-1] == "exit handler ran"
+    assert "not reached" not in good.stdout and len(lines) > 5
+    bad = subprocess.run([sys.executable, "-c", probe, "inspect", "--model", str(art.model), "--adapter",
+                          f"wide={art.wide_adapter}"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and bad.stdout == "exit handler ran\n"
+    assert bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1

@@ -649,3 +649,54 @@ def test_every_help_states_the_exit_codes_and_examples(command):
     text = " ".join(result.stdout.split())
     assert "Exit codes: 0 pass, 1 a threshold crossed, 2 bad usage or input" in text and "130 / 143" in text
     assert "Examples:" in text and text.split("Examples:")[1].count("lora-eval ") >= 2
+
+
+def test_input_digests_name_every_input_and_see_every_change(tmp_path):
+    """InputDigests (hashed on background threads) against the digests taken one by one: the model folder's
+    weights sampled, its JSON files by content, its other tokenizer files whole, other files left out; an adapter's files whole
+    and its config by content; named files whole. A change of one byte in any hashed input changes its digest; a
+    file gone before it was hashed is raised by result()."""
+    from lora_eval.runfolder import InputDigests, config_digest, file_digest, weights_digest
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    model, adapter = tmp_path / "model", tmp_path / "adapter"
+    model.mkdir(), adapter.mkdir()
+    for folder, name in ((model, "model-00001-of-00002.safetensors"), (model, "model-00002-of-00002.safetensors"),
+                         (adapter, "adapter_model.safetensors")):
+        from safetensors.torch import save_file
+        save_file({"w": torch.from_numpy(rng.standard_normal((64, 48)).astype(np.float32))}, str(folder / name))
+    (model / "config.json").write_text(json.dumps({"b": 1, "a": [3, 1, 2]}))
+    (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"x": 0}}}))
+    (model / "tokenizer.model").write_bytes(rng.bytes(500))
+    (model / "README.md").write_text("not an input")
+    (adapter / "adapter_config.json").write_text(json.dumps({"target_modules": ["q_proj", "k_proj"], "r": 4}))
+    (adapter / "notes.txt").write_text("not an input")
+    data = tmp_path / "ref.parquet"
+    data.write_bytes(rng.bytes(3000))
+
+    found = InputDigests(model, {"a": adapter}, {"reference 0/ref.parquet": data}).result()
+    assert found == {
+        "model/config.json": config_digest(model / "config.json"),
+        "model/model-00001-of-00002.safetensors": weights_digest(model / "model-00001-of-00002.safetensors"),
+        "model/model-00002-of-00002.safetensors": weights_digest(model / "model-00002-of-00002.safetensors"),
+        "model/tokenizer.json": config_digest(model / "tokenizer.json"),
+        "model/tokenizer.model": file_digest(model / "tokenizer.model"),
+        "adapter a/adapter_config.json": config_digest(adapter / "adapter_config.json"),
+        "adapter a/adapter_model.safetensors": file_digest(adapter / "adapter_model.safetensors"),
+        "reference 0/ref.parquet": file_digest(data)}
+    assert len(set(found.values())) == len(found)
+    assert InputDigests(model, prefix="against-").result() == {f"against-{k}": v for k, v in found.items()
+                                                              if k.startswith("model/")}
+    for path in (model / "model-00002-of-00002.safetensors", model / "tokenizer.model",
+                 adapter / "adapter_model.safetensors", data):
+        raw = bytearray(path.read_bytes())
+        at = len(raw) - 1 - int(rng.integers(0, 64))  # in the data, not the header
+        raw[at] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        changed = InputDigests(model, {"a": adapter}, {"reference 0/ref.parquet": data}).result()
+        assert [k for k in found if changed[k] != found[k]] == [k for k in found if k.endswith(path.name)]
+        found = changed
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["k_proj", "q_proj"]}))
+    assert InputDigests(model, {"a": adapter}, {"reference 0/ref.parquet": data}).result() == found  # PEFT's sets
+    with pytest.raises(FileNotFoundError):
+        InputDigests(None, None, {"gone": tmp_path / "gone.parquet"}).result()
