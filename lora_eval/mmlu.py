@@ -101,9 +101,6 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 _, dev_files, dev = read_split(data, "dev")
                 files += dev_files
                 dev = check_shots(dev, questions, shots, layout, data)
-            data_root = Path(data)
-            digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
-                                                     for path in sorted(set(files))})  # (result() below)
 
         with phases("load"):  # the tokenizer
             config, args = model_config(model)
@@ -112,6 +109,11 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
                                  key="max_position_embeddings")
             tokenizer = load_tokenizer(model, needed_for="mmlu")
+        # the inputs hashed while the prompts are tokenised: hashed beside transformers' import (which holds the GIL)
+        # MMLU's load phase took ~1.5 s longer on an H100 (BENCHMARKS-history section 13)
+        data_root = Path(data)
+        digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
+                                                 for path in sorted(set(files))})  # (result() below)
         with phases("tokenize"):
             candidates = answer_tokens(tokenizer, model)
             ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
