@@ -36,7 +36,7 @@ import lora_eval
 from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
 from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
-from lora_eval.mmlu_prompts import answer_tokens, prompts, tokenize_prompts
+from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize_prompts
 from lora_eval.mmlu_stats import paired_delta, passes
 from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
 from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
@@ -345,6 +345,42 @@ def test_prompts_equal_lm_evaluation_harness(real):
         assert c["continuations"] == [f" {x}" for x in LETTERS]
     shown = pd.concat([questions, real["dev"][2].groupby("subject").head(5)])
     assert (shown["question"] != shown["question"].str.strip()).sum() >= 3  # the strip is exercised
+
+
+@pytest.mark.parametrize("post", ["none", "bos-template", "bert-pair"])
+def test_encode_equals_the_tokenizers_call(real, bpe_dir, tmp_path, seed, post):
+    """mmlu_prompts.encode (the `tokenizers` object's encode_batch_fast) gives exactly the ids of transformers'
+    `tokenizer(texts)["input_ids"]`, saved and loaded back as a user's tokenizer is: with no special tokens, a BOS
+    added by a template post-processor, a BERT-like [CLS] ... [SEP]; special tokens written inside the text too."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    special = {"none": [], "bos-template": ["<s>"], "bert-pair": ["[CLS]", "[SEP]"]}[post]
+    tok.add_special_tokens(special)
+    if post == "bos-template":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+            ("<s>", tok.token_to_id("<s>"))])
+    elif post == "bert-pair":
+        tok.post_processor = processors.BertProcessing(("[SEP]", tok.token_to_id("[SEP]")),
+                                                       ("[CLS]", tok.token_to_id("[CLS]")))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(tmp_path, needed_for="mmlu")
+    rng = np.random.default_rng(seed)
+    questions = real["test"][2].sample(40, random_state=int(rng.integers(2**31)))
+    texts = prompts(questions, real["dev"][2], int(rng.integers(0, 6)))
+    texts += [t[:k] + rng.choice(special + ["<|endoftext|>"]) + t[k:] for t in texts[:10]
+              for k in [int(rng.integers(0, len(t)))]]
+    expected = loaded(texts)["input_ids"]
+    assert encode(loaded, texts) == expected
+    added = {"none": 0, "bos-template": 1, "bert-pair": 2}[post]  # the special tokens the post-processor adds
+    assert len(expected[0]) - len(_raw_ids(bpe_dir, texts[0])) == added
+
+
+def _raw_ids(bpe_dir, text):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(bpe_dir / "tokenizer.json")).encode(text).ids
 
 
 def test_answer_tokens_follow_answer_colon(bpe, tmp_path):

@@ -653,9 +653,9 @@ def test_every_help_states_the_exit_codes_and_examples(command):
 
 def test_input_digests_name_every_input_and_see_every_change(tmp_path):
     """InputDigests (hashed on background threads) against the digests taken one by one: the model folder's
-    weights sampled, its JSON files by content, its other tokenizer files whole, other files left out; an adapter's files whole
-    and its config by content; named files whole. A change of one byte in any hashed input changes its digest; a
-    file gone before it was hashed is raised by result()."""
+    weights sampled, its JSON files by content, its other tokenizer files whole, other files left out; an adapter's
+    files whole and its config by content; named files whole. A change of one byte in any hashed input changes its
+    digest; a file gone before it was hashed is raised by result()."""
     from lora_eval.runfolder import InputDigests, config_digest, file_digest, weights_digest
 
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
