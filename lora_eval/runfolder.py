@@ -138,16 +138,16 @@ def weights_digest(path: Path) -> str:
     return f"sampled-sha256:{h.hexdigest()}"
 
 
-def _model_file_digest(path: Path, probe: bool = False):
-    """A model folder's file: weights sampled, config (JSON) by content, tokenizer files whole; others are not part
-    of the fingerprint (`probe`: whether this file is)."""
+def _model_file_digester(path: Path):
+    """How a model folder's file enters the fingerprint: weights sampled, JSON files (config, tokenizer) by content,
+    other tokenizer files whole; None for a file that does not (a README, an image)."""
     if path.suffix == ".safetensors":
-        return True if probe else weights_digest(path)
+        return weights_digest
     if path.suffix == ".json":
-        return True if probe else config_digest(path)
+        return config_digest
     if path.suffix in (".txt", ".model", ".tiktoken", ".jinja") or path.name.startswith("tokenizer"):
-        return True if probe else file_digest(path)
-    return False
+        return file_digest
+    return None
 
 
 def _adapter_file_digest(path: Path) -> str:
@@ -177,30 +177,30 @@ def config_digest(path: Path) -> str:
 
 
 class InputDigests:
-    """The fingerprints of a run's input files: the model folder's (`model_files`), the adapters' (`adapter_files`)
-    and `files` (name -> path, hashed whole: references, data files, prompts), each file on a background thread
-    from the moment the task knows its inputs, while it goes on reading and checking them; `result()` waits for
-    them where the run folder is opened. File reads and hashlib release the GIL. Hashed in line, the whole-file
+    """The fingerprints of a run's input files: the model folder's (`_model_file_digester`), the adapters'
+    (`_adapter_file_digest`) and `files` (name -> path, hashed whole: references, data files, prompts). Each file is
+    hashed on a background thread (a pool of at most 4, ended once its jobs are done) from the moment the task knows
+    its inputs, while it goes on reading and checking them; `result()` waits for them where the run folder opens. File reads and hashlib release the GIL. Hashed in line, the whole-file
     sha256 of a compare's adapter and reference was most of its read phase (H100, 24-layer checkpoint: 1.1 s;
     BENCHMARKS-history section 13). A digest's failure (a file gone since) is raised by `result()`; one the task's
     own checks find first is never raised."""
-
-    _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lora-eval-digest")
 
     def __init__(self, model: str | Path | None = None, adapters: dict[str, str | Path] | None = None,
                  files: dict[str, str | Path] | None = None, prefix: str = ""):
         jobs = []
         if model is not None:
             model_dir = Path(model)
-            jobs += [(f"model/{p.name}", _model_file_digest, p) for p in sorted(model_dir.iterdir())
-                     if p.is_file() and _model_file_digest(p, probe=True)] if model_dir.is_dir() else []
+            jobs += [(f"model/{p.name}", digest, p) for p in sorted(model_dir.iterdir())
+                     if p.is_file() and (digest := _model_file_digester(p))] if model_dir.is_dir() else []
         for name, folder in (adapters or {}).items():
             if Path(folder).is_dir():
                 jobs += [(f"adapter {name}/{p.name}", _adapter_file_digest, p)
                          for p in sorted(Path(folder).glob("adapter_*")) if p.is_file()]
         jobs += [(name, file_digest, Path(path)) for name, path in (files or {}).items()]
         self.prefix = prefix
-        self._futures = {name: self._pool.submit(fn, path) for name, fn, path in jobs}
+        pool = ThreadPoolExecutor(max_workers=max(1, min(4, len(jobs))), thread_name_prefix="lora-eval-digest")
+        self._futures = {name: pool.submit(fn, path) for name, fn, path in jobs}
+        pool.shutdown(wait=False)  # its threads finish these jobs, then end (no pool outlives its run)
 
     def result(self) -> dict[str, str]:
         return {f"{self.prefix}{name}": future.result() for name, future in self._futures.items()}
