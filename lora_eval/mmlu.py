@@ -109,8 +109,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
                                  key="max_position_embeddings")
             tokenizer = load_tokenizer(model, needed_for="mmlu")
-        # the inputs hashed while the prompts are tokenised: hashed beside transformers' import (which holds the GIL)
-        # MMLU's load phase took ~1.5 s longer on an H100 (BENCHMARKS-history section 13)
+        # the inputs are hashed while the prompts are tokenised, not beside transformers' import (which holds the
+        # GIL): there, MMLU's load phase took ~1.5 s longer on an H100 (BENCHMARKS-history section 13)
         data_root = Path(data)
         digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
                                                  for path in sorted(set(files))})  # (result() below)
