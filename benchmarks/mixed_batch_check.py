@@ -9,7 +9,7 @@ the first (layer, point) where one differs (eager). --switches also runs each Mo
 localise a defect), handing the engine that table through Forward.moe_configs. --batch-invariant checks the
 stronger property of that mode (issue #23 item 2): every row, adapter or none, bit-equal to the same row run alone
 (the random batches shuffle, split and pad it). Exit status 1 when any row differs. Prints one line per case and
-writes a CSV.
+writes the CSV after each (a run stopped by a time limit keeps the cases it finished).
 
 The cause it found (BENCHMARKS.md "Mixed-batch check"): the router's LoRA expand ran inside the top-k kernel, whose
 softmax then summed in the dot's layout; rows without an adapter got routing weights a last bit apart.
@@ -151,6 +151,7 @@ def main():
                                seconds=round(time.perf_counter() - t0, 1))
                     rows.append(row)
                     print(row, flush=True)
+                    pd.DataFrame(rows).to_csv(args.out, index=False)  # so far: a run cut off by a time limit keeps it
                     del engine, plain
             Forward.moe_configs = None
             del model
