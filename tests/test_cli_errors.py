@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -558,3 +559,14 @@ def test_console_script_ends_at_once_with_everything_said(art):
                           f"wide={art.wide_adapter}"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and bad.stdout == "exit handler ran\n"
     assert bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1
+
+
+def test_a_profiled_command_ends_the_usual_way(tmp_path):
+    """Under cProfile (which writes its file once the program has returned) main() does not end the process early:
+    the profile is written and the exit code kept."""
+    out = tmp_path / "profile.out"
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "lora_eval", "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "version" in proc.stdout and out.stat().st_size > 0
+    assert any("main" in name for _, _, name in pstats.Stats(str(out)).stats)

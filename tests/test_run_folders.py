@@ -31,13 +31,14 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import save_file
 
 import lora_eval
 from lora_eval import Engine, read_run
 from lora_eval.cli import cli
 from lora_eval.references import write_reference
 from lora_eval.report import report_files
-from lora_eval.runfolder import RunFolder
+from lora_eval.runfolder import InputDigests, RunFolder, config_digest, file_digest, weights_digest
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
 
@@ -656,14 +657,11 @@ def test_input_digests_name_every_input_and_see_every_change(tmp_path):
     weights sampled, its JSON files by content, its other tokenizer files whole, other files left out; an adapter's
     files whole and its config by content; named files whole. A change of one byte in any hashed input changes its
     digest; a file gone before it was hashed is raised by result()."""
-    from lora_eval.runfolder import InputDigests, config_digest, file_digest, weights_digest
-
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     model, adapter = tmp_path / "model", tmp_path / "adapter"
     model.mkdir(), adapter.mkdir()
     for folder, name in ((model, "model-00001-of-00002.safetensors"), (model, "model-00002-of-00002.safetensors"),
                          (adapter, "adapter_model.safetensors")):
-        from safetensors.torch import save_file
         save_file({"w": torch.from_numpy(rng.standard_normal((64, 48)).astype(np.float32))}, str(folder / name))
     (model / "config.json").write_text(json.dumps({"b": 1, "a": [3, 1, 2]}))
     (model / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"x": 0}}}))
