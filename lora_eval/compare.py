@@ -36,7 +36,7 @@ from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, 
 from .names import BASE, OVERALL
 from .plan import check_fits
 from .prefixes import MIN_SHARED_TOKENS, grouped_order, prefix_bytes_per_token, shared_prefix_lengths
-from .references import read_reference
+from .references import read_reference, reference_arg, reference_inputs
 from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, Phases, no_gates,
                       read_run, table_files)
@@ -79,14 +79,13 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             raise InputError("--reference", "at least one reference dump is needed")
         out = check_out(out)
         arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                         references=[_ref_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
+                         references=[reference_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
                          max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
                          check_adapters=check_adapters)
         with phases("read"):  # the references, read and checked, and the work planned from their token ids
             args = model_config(model)[1]
             refs = _read_references(references, adapters, args.vocab_size)
-            digests = InputDigests(model, adapters, {f"reference {i}/{Path(_ref_path(r)).name}": _ref_path(r)
-                                                     for i, r in enumerate(references)})  # (result() below)
+            digests = InputDigests(model, adapters, reference_inputs(references))  # (result() below)
             lengths = [len(ids) for ids in refs["input_ids"]]
             use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
             if options.prefix_cache and options.expert_parallel:
@@ -272,14 +271,6 @@ def gate_sample(refs: pd.DataFrame, adapters: list[str], max_rows: int = GATE_RO
             own = [i for i in order if tags[i] == adapter]
             rows += [min(own, key=lambda i: lengths[i])] if own else []
     return {a: sorted(rows) for a, rows in chosen.items() if rows}
-
-
-def _ref_path(ref) -> str:
-    return ref[1] if isinstance(ref, tuple) else ref
-
-
-def _ref_arg(ref) -> str:
-    return f"{ref[0]}={ref[1]}" if isinstance(ref, tuple) else str(ref)
 
 
 def _read_references(references, adapters: dict, vocab_size: int) -> pd.DataFrame:

@@ -66,7 +66,7 @@ from .models import load_model
 from .names import BASE
 from .one_layer import LayerLoader
 from .plan import check_fits, host_memory_available, plan
-from .references import read_reference
+from .references import read_reference, reference_arg, reference_inputs
 from .results import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult, Phases,
                       diagnose_table_files, read_diagnose)
 from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
@@ -118,14 +118,13 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
         quantization = load_model(model, device="meta").args.quantization
     floor = noise_floor(options.dtype, against_dtype)
     arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                     references=[_ref_arg(r) for r in references], samples=samples,
+                     references=[reference_arg(r) for r in references], samples=samples,
                      against_model=None if against_model is None else str(against_model), against_dtype=against_dtype,
                      layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
     rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
     task_options = dict(options.record(), samples=samples, against_dtype=against_dtype, measured=measured,
                         batch_tokens=batch_tokens, rule=rule)
-    files = InputDigests(model, adapters, {f"reference {i}/{Path(_ref_path(r)).name}": _ref_path(r)
-                                           for i, r in enumerate(references)}).result()
+    files = InputDigests(model, adapters, reference_inputs(references)).result()
     if against_model is not None:
         files.update(InputDigests(against_model, prefix="against-").result())
 
@@ -611,11 +610,3 @@ def _number(value) -> float | None:
 
 def _adapter(tag) -> str | None:
     return tag if isinstance(tag, str) else None
-
-
-def _ref_path(ref) -> str:
-    return ref[1] if isinstance(ref, tuple) else ref
-
-
-def _ref_arg(ref) -> str:
-    return f"{ref[0]}={ref[1]}" if isinstance(ref, tuple) else str(ref)

@@ -225,3 +225,15 @@ def write_reference(frame: pd.DataFrame, path: str | Path) -> Path:
     path = Path(path)
     path.write_bytes(reference_bytes(frame, path))
     return path
+
+
+def reference_arg(ref) -> str:
+    """A reference as given to compare or diagnose, for run.json's arguments: PATH, or NAME=PATH for an (adapter
+    name, path) pair."""
+    return f"{ref[0]}={ref[1]}" if isinstance(ref, tuple) else str(ref)
+
+
+def reference_inputs(references) -> dict[str, str]:
+    """The reference files under their names in a run's fingerprint: 'reference {i}/{file name}' -> path."""
+    paths = [ref[1] if isinstance(ref, tuple) else ref for ref in references]
+    return {f"reference {i}/{Path(path).name}": path for i, path in enumerate(paths)}
