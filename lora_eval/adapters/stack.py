@@ -130,7 +130,7 @@ class AdapterStack:
         for i, t in tensors.items():
             index = [i] + [slice(None)] * t.dim()
             index[1 + rank_dim] = slice(0, t.shape[rank_dim])
-            buf[tuple(index)] = t
+            buf[tuple(index)] = t.to(self.device)  # (the device casts and reorders: moved as it lies in memory)
         return buf
 
     def _stack_experts(self, S, tensors: dict[int, torch.Tensor], features: tuple[int], E: int, rank_dim: int):
@@ -147,5 +147,5 @@ class AdapterStack:
         for i, t in tensors.items():
             index = [i, slice(None), slice(None), slice(None)]
             index[1 + rank_dim] = slice(0, t.shape[rank_dim])
-            buf[tuple(index)] = t  # an expert dim of 1 broadcasts to Ex
+            buf[tuple(index)] = t.to(self.device)  # an expert dim of 1 broadcasts to Ex; cast and reordered there
         return buf
