@@ -36,23 +36,34 @@ timed() {  # $1: log name; the rest: the command. Appends "<log> <seconds> <rc>"
 [ -f "$WORK/reference.parquet" ] || timed write python3 benchmarks/write_checkpoint.py --config "$CONFIG" \
     --layers "${JOB_LAYERS:-24}" --samples "${JOB_SAMPLES:-128}" --tokenizer-from "$MMLU" --out "$WORK" ${WRITE_ARGS:-}
 # where loading's time goes (#24 item 3: 5 GB/s from the page cache wanted), each a second time so the files are cached:
-# our loader (load_model), and the raw rates beneath it: a safetensors tensor per copy to the device (what the loader
-# does), the files read into one pinned buffer, and that buffer to the device
-timed load_probe python3 - "$WORK/model" ${DEVICE_ARGS:+cpu} <<'PY'
+# our loader (load_model; its first run in a fresh process, CUDA's start included, printed too), the engine's load
+# split into its parts (the adapter read and checked, the weights, the adapters stacked on the device: compare's load
+# phase is these), and the raw rates beneath: a safetensors tensor per copy to the device (what the loader does), the
+# files read into one pinned buffer, and that buffer to the device
+timed load_probe python3 - "$WORK/model" "$WORK/peft/adapter" ${DEVICE_ARGS:+cpu} <<'PY'
 import sys, time
 from pathlib import Path
 import torch
 from safetensors import safe_open
+from lora_eval.engine import Engine, read_adapters
 from lora_eval.models import load_model
-folder, device = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "cuda")
+folder, adapter = Path(sys.argv[1]), sys.argv[2]
+device = sys.argv[3] if len(sys.argv) > 3 else "cuda"
 files = sorted(folder.glob("*.safetensors"))
 size = sum(f.stat().st_size for f in files)
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 def rate(name, fn):
-    for run in (1, 2):  # the first reads the files into the page cache
+    for run in ("first", "second"):  # the first reads the files into the page cache
         t0 = time.perf_counter(); fn(); sync(); s = time.perf_counter() - t0
-    print(f"{name}: {s:.2f} s, {size / 1e9 / s:.2f} GB/s ({size / 1e9:.1f} GB)")
+        print(f"{name}, {run} run: {s:.2f} s, {size / 1e9 / s:.2f} GB/s ({size / 1e9:.1f} GB)")
 rate("load_model (bf16)", lambda: load_model(folder, dtype=torch.bfloat16, device=device))
+for run in ("first", "second"):
+    t0 = time.perf_counter(); parsed = read_adapters(folder, {"adapter": adapter}); t1 = time.perf_counter()
+    model = load_model(folder, dtype=torch.bfloat16, device=device); sync(); t2 = time.perf_counter()
+    engine = Engine(model, parsed); sync(); t3 = time.perf_counter()
+    print(f"engine load, {run} run: adapter read {t1 - t0:.2f} s, weights {t2 - t1:.2f} s, engine with the adapter "
+          f"stacked {t3 - t2:.2f} s")
+    del engine, model
 def per_tensor():
     for f in files:
         with safe_open(str(f), framework="pt") as h:
