@@ -1,9 +1,9 @@
 """`lora-eval mmlu`: MMLU accuracy of the base model and of every adapter in one pass, with paired deltas.
 
-A thin layer over `Engine.next_token_logprobs`: read the questions (mmlu_data.py) and check the prompts
-(mmlu_prompts.py) before any model is loaded, tokenise them while it loads (mmlu_prompts.PromptTokens), score the four
-answer letters of every question under the base model and each adapter in mixed batches (the batches are the
-resumable units of a run folder), and build the tables (mmlu_stats.py).
+A thin layer over `Engine.next_token_logprobs`: read the questions (mmlu_data.py) and build the prompts
+(mmlu_prompts.py) before any model is loaded, score the four answer letters of every question under the base
+model and each adapter in mixed batches (the batches are the resumable units of a run folder), and build the
+tables (mmlu_stats.py).
 
 Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): a subject's prompts all begin
 with its header and k-shot examples, so that part is computed once per (subject, adapter) and each question runs only
@@ -28,7 +28,7 @@ from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .mmlu_data import LETTERS, check_shots, read_split, select
-from .mmlu_prompts import PromptTokens, answer_tokens, check_vocabulary
+from .mmlu_prompts import answer_tokens, tokenize_prompts
 from .mmlu_stats import question_table, subject_table, summary_table
 from .names import BASE
 from .plan import check_fits
@@ -117,10 +117,14 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         data_root = Path(data)
         digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
                                                  for path in sorted(set(files))})  # (result() below)
-        with phases("tokenize"):  # (what can fail now; the prompts with shots beside the model's load)
+        with phases("tokenize"):
             candidates = answer_tokens(tokenizer, model)
-            check_vocabulary(max(candidates), args.vocab_size, model)
-            prompt_tokens = PromptTokens(tokenizer, questions, dev, shots, max_len, args.vocab_size, model)
+            ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
+            largest = max([*candidates, *(max(row) for row in ids if row)])
+            if largest >= args.vocab_size:
+                raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the "
+                                 f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
+                                 "belong to this model", key="vocab_size")
         with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
             if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
                 check_fits(model, adapters, options.device, options.dtype, batch_tokens,
@@ -130,10 +134,26 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             parsed = None if engine is not None else read_adapters(model, adapters, options)
         models = [BASE, *adapters]
         tags = [None, *adapters]
+        rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
+        rows_tags = tags * len(ids)
+        lengths = [len(row) for row in rows_ids]
         use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
         if options.prefix_cache and options.expert_parallel:
             notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
                    "full prompts run")
+        with phases("tokenize"):  # (the shared prefixes and batches, from the token ids)
+            if use_prefixes:
+                groups, shared = subject_prefixes(questions, used, ids)
+                rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
+                suffix = [n - p for n, p in zip(lengths, rows_prefix)]
+                per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
+                group_bytes = {g: shared[q] * per_token * len(tags) for q, g in enumerate(groups)}  # every model's
+                cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
+                batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags],
+                                                         group_bytes, cache), suffix, batch_tokens)
+            else:
+                rows_prefix, suffix = None, lengths
+                batches = make_batches(lengths, batch_tokens)
 
         task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
                             max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
@@ -147,22 +167,6 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             return read_run(out)
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
-        with phases("tokenize"):  # the prompts' ids (tokenised while the model loaded), shared prefixes and batches
-            ids, used = prompt_tokens.result()
-            rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
-            rows_tags = tags * len(ids)
-            lengths = [len(row) for row in rows_ids]
-            if use_prefixes:
-                groups, shared = subject_prefixes(questions, used, ids)
-                rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
-                suffix = [n - p for n, p in zip(lengths, rows_prefix)]
-                per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
-                group_bytes = {g: shared[q] * per_token * len(tags) for q, g in enumerate(groups)}  # every model's
-                batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags],
-                                                         group_bytes, engine.prefix_cache.budget), suffix, batch_tokens)
-            else:
-                rows_prefix, suffix = None, lengths
-                batches = make_batches(lengths, batch_tokens)
 
         compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([len(b) for b in batches], "mmlu", "rows", quiet,
@@ -213,8 +217,7 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 rows_per_s=work.stats()["computed"] / computed_s,
                 prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
                              tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=max_len,
-                             with_fewer_shots=int(sum(u < shots for u in used)),
-                             tokenized_beside_load_s=round(prompt_tokens.seconds, 3)),
+                             with_fewer_shots=int(sum(u < shots for u in used))),
                 answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
                                for x, t in zip(LETTERS, candidates)},
                 data=dict(layout=layout, path=str(data), files=len(set(files))),

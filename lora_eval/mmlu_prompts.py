@@ -18,11 +18,6 @@ one token is refused (UnsupportedError): lora-eval scores exactly one token per 
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
-
 import pandas as pd
 
 from .errors import InputError, UnsupportedError
@@ -89,92 +84,20 @@ def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | Non
     kept: a prompt longer than `max_len` drops shots from the end until it fits."""
     prefixes = prompt_prefixes(questions, dev, shots)
     records = questions.to_dict("records")
-    with _quiet_transformers():  # "sequence longer than the model maximum": checked here
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "sequence longer than the model maximum": checked here
+    try:
         ids = encode(tokenizer, prompts(questions, dev, shots))
         used = [shots] * len(ids)
         for i, q in enumerate(records):
             while max_len is not None and len(ids[i]) > max_len:
                 if used[i] == 0:
-                    raise _too_long(q, len(ids[i]), max_len)
+                    raise InputError(q["file"], f"the prompt is {len(ids[i])} tokens even without shots, more than "
+                                     f"the model's max_position_embeddings ({max_len})", key=f"row {q['row']}")
                 used[i] -= 1
                 ids[i] = encode(tokenizer, [prefixes[q["subject"]][used[i]] + format_question(q, False)])[0]
-    return ids, used
-
-
-class PromptTokens:
-    """`tokenize_prompts` started before the model loads and finished beside it: `result()` -> (ids, used).
-
-    What can make the prompts an input error is checked at construction, before any weight loads: every question's
-    shortest prompt (its 0-shot prompt, tokenised exactly as a prompt with its shots dropped) against `max_len`, and
-    the largest token id the tokenizer can make (its vocabulary's and that of every special token those prompts
-    carry) against the model's `vocab_size`. The prompts with shots (85% of the 5-shot test split's tokens) are then
-    tokenised on a background thread while the model loads: `tokenizers` encodes in Rust without the GIL. Where the
-    vocabulary bound does not hold, the prompts are tokenised whole at once and their ids checked one by one.
-    `seconds`: the background tokenising's own time (0 where nothing ran beside the load)."""
-
-    def __init__(self, tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int,
-                 max_len: int | None, vocab_size: int, model):
-        self.seconds = 0.0
-        records = questions.to_dict("records")
-        with _quiet_transformers():
-            shortest = encode(tokenizer, [subject_header(q["subject"]) + format_question(q, False) for q in records])
-        for q, row in zip(records, shortest):
-            if max_len is not None and len(row) > max_len:
-                raise _too_long(q, len(row), max_len)
-        largest = max((max(row) for row in shortest if row), default=0)  # (special tokens included)
-        bound = max(largest, _largest_vocabulary_id(tokenizer))
-        self._future: Future = Future()
-        if shots == 0:
-            self._future.set_result((shortest, [0] * len(shortest)))
-        elif bound < vocab_size:
-            largest = bound
-            pool = ThreadPoolExecutor(1, thread_name_prefix="lora-eval-tokenize")
-            self._future = pool.submit(self._timed, tokenize_prompts, tokenizer, questions, dev, shots, max_len)
-            pool.shutdown(wait=False)
-        else:  # (some vocabulary id is out of range: the prompts' own ids decide, now)
-            ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
-            largest = max(max(row) for row in ids if row)
-            self._future.set_result((ids, used))
-        check_vocabulary(largest, vocab_size, model)
-
-    def _timed(self, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.seconds = time.perf_counter() - t0
-
-    def result(self) -> tuple[list[list[int]], list[int]]:
-        return self._future.result()
-
-
-def check_vocabulary(largest: int, vocab_size: int, model) -> None:
-    """InputError unless token id `largest` (the largest the tokenizer makes) is inside the model's vocabulary."""
-    if largest >= vocab_size:
-        raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the model's "
-                         f"vocabulary ({vocab_size}): the tokenizer in the model folder does not belong to this model",
-                         key="vocab_size")
-
-
-def _largest_vocabulary_id(tokenizer) -> int:
-    """The largest id `tokenizer` can make from text: its vocabulary's, added tokens included."""
-    return max(tokenizer.get_vocab().values(), default=0)
-
-
-def _too_long(q, n: int, max_len: int) -> InputError:
-    return InputError(q["file"], f"the prompt is {n} tokens even without shots, more than the model's "
-                      f"max_position_embeddings ({max_len})", key=f"row {q['row']}")
-
-
-@contextmanager
-def _quiet_transformers():
-    """Transformers logs errors only meanwhile (a tokenizer called directly warns of sequences longer than its
-    maximum: the prompts' lengths are checked here)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
     finally:
         hf_logging.set_verbosity(verbosity)
+    return ids, used

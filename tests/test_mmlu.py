@@ -37,7 +37,7 @@ from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
 from lora_eval.mmlu import subject_prefixes
 from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
-from lora_eval.mmlu_prompts import PromptTokens, answer_tokens, encode, prompts, tokenize_prompts
+from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize_prompts
 from lora_eval.mmlu_stats import paired_delta, passes
 from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
 from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
@@ -409,49 +409,6 @@ def test_shots_are_dropped_until_the_prompt_fits(real, bpe):
     with pytest.raises(InputError, match=r"high_school_geography_test.csv: row \d+: the prompt is \d+ tokens even "
                                          r"without shots"):
         tokenize_prompts(bpe, questions, dev, 5, int(lengths[:, 0].min()) - 1)
-
-
-def test_prompts_tokenised_beside_the_load_equal_tokenize_prompts(real, bpe, seed):
-    """PromptTokens (the prompts with shots tokenised on a background thread while the model loads) gives exactly
-    tokenize_prompts' ids and shots: with shots dropped for some prompts, with none dropped, and with no shots (then
-    nothing runs beside the load)."""
-    rng = np.random.default_rng(seed)
-    subjects = list(rng.choice(sorted(set(real["test"][2]["subject"])), 3, replace=False))
-    questions = select(real["test"][2], subjects, 25, DATA, "test")
-    dev = real["dev"][2]
-    longest = max(len(ids) for ids in bpe(prompts(questions, dev, 5))["input_ids"])
-    vocab = len(bpe)
-    for shots, max_len in ((5, longest * 3 // 4), (5, None), (int(rng.integers(1, 5)), longest), (0, None)):
-        started = PromptTokens(bpe, questions, dev, shots, max_len, vocab, "model")
-        ids, used = started.result()
-        assert (ids, used) == tokenize_prompts(bpe, questions, dev, shots, max_len), (shots, max_len)
-        assert (started.seconds > 0) == (shots > 0)
-        if max_len == longest * 3 // 4:
-            assert 0 < sum(u < 5 for u in used) < len(used)  # the dropping is exercised
-
-
-def test_prompt_errors_are_found_before_the_model_loads(real, bpe, bpe_dir, tmp_path):
-    """What can make the prompts an input error is raised by PromptTokens' constructor (before a weight loads): a
-    prompt too long even without shots, a token id outside the model's vocabulary. Where the tokenizer's vocabulary
-    reaches past the model's but the prompts' ids do not (added tokens that no prompt holds), nothing is wrong: their
-    own ids decide."""
-    questions = select(real["test"][2], ["high_school_geography", "virology"], 30, DATA, "test")
-    dev = real["dev"][2]
-    zero_shot = [len(ids) for ids in bpe(prompts(questions, dev, 0))["input_ids"]]
-    with pytest.raises(InputError, match=r"_test.csv: row \d+: the prompt is \d+ tokens even without shots"):
-        PromptTokens(bpe, questions, dev, 5, max(zero_shot) - 1, len(bpe), "model")
-    wider = load_tokenizer(bpe_dir, needed_for="mmlu")
-    wider.add_special_tokens({"additional_special_tokens": ["<extra_0>", "<extra_1>"]})
-    wider.save_pretrained(str(tmp_path))
-    bpe = load_tokenizer(tmp_path, needed_for="mmlu")
-    ids, _ = tokenize_prompts(bpe, questions, dev, 5, None)
-    used_ids = max(max(row) for row in ids)
-    assert used_ids + 1 < len(bpe)  # the tokenizer's vocabulary reaches past the ids the prompts use
-    started = PromptTokens(bpe, questions, dev, 5, None, used_ids + 1, "model")
-    assert started.result()[0] == ids and started.seconds == 0  # tokenised at once, ids checked one by one
-    with pytest.raises(InputError, match=rf"model.config.json: vocab_size: the tokenizer makes token id {used_ids}, "
-                                         rf"outside the model's vocabulary \({used_ids}\)"):
-        PromptTokens(bpe, questions, dev, 5, None, used_ids, "model")
 
 
 def test_subject_prefixes_are_the_groups_longest_common_runs(real, bpe, seed):
