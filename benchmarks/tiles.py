@@ -77,7 +77,7 @@ from lora_eval.kernels.dense_lora import dense_lora_expand, dense_lora_shrink
 from lora_eval.kernels.lora_meta import lora_metadata
 from lora_eval.kernels.matmul import matmul
 from lora_eval.kernels.moe_align import moe_align
-from lora_eval.kernels.prefix_attention import prefix_attention
+from lora_eval.kernels.prefix_attention import one_prefix, prefix_attention
 from lora_eval.kernels.rms_norm import rms_norm, rms_norm_ref
 from lora_eval.kernels.rope import rope, rope_ref
 from lora_eval.kernels.router import router_topk, router_topk_ref
@@ -563,6 +563,7 @@ def attention(b: Bench, args):
     k, v = b.randn(B, s.HEADS_KV, L, s.D, g=g), b.randn(B, s.HEADS_KV, L, s.D, g=g)
     pk, pv = b.randn(s.HEADS_KV, P, s.D, g=g), b.randn(s.HEADS_KV, P, s.D, g=g)
     rows = torch.arange(B, device=b.dev)
+    table = one_prefix(pk, pv, B, b.dev) if P else None
     scale = s.D ** -0.5
 
     def torch_form():
@@ -581,7 +582,7 @@ def attention(b: Bench, args):
     for tiles in ATTENTION_TILES:
         out = torch.empty_like(reference)
         try:
-            ms = b.ms(lambda: prefix_attention(q, k, v, out, rows, scale, pk, pv, tiles=tiles))
+            ms = b.ms(lambda: prefix_attention(q, k, v, out, rows, scale, table, tiles=tiles))
         except Exception as e:  # noqa: BLE001 - a tile that does not fit
             print(f"  {tiles}: {type(e).__name__}")
             continue

@@ -1,5 +1,5 @@
-"""Causal attention of rows that continue a cached prefix (issue #24): each row's queries attend to the prefix's keys
-and values, shared by every row of the group and read in place, then to the row's own, causally. A flash-attention
+"""Causal attention of rows that continue a cached prefix (issue #24): each row's queries attend to its prefix's keys
+and values, read in place (several rows may share one), then to the row's own, causally. A flash-attention
 loop with the softmax online in float32: the prefix is neither copied per row nor masked through a [queries, keys]
 tensor, as the plain torch form (row_attention) has to.
 
@@ -10,9 +10,12 @@ BLOCK_M / heads positions — 8 at Qwen3-30B-A3B's heads — rather than BLOCK_M
 tokens less. Blocks wholly past a row's own length (`lengths`) compute nothing.
 
 Shapes: q [B, nh, L, D], k [B, nkv, L, D], v [B, nkv, L, Dv] (any strides; nh a multiple of
-nkv: query head h reads kv head h // (nh // nkv)); the prefix's pk [nkv, P, D], pv [nkv, P, Dv]; rows [G] the batch
-rows of the group; out [B, nh, L, Dv] (head dim contiguous), written at those rows. Query i of a row sits at position
-P + i and sees the P prefix keys and its own keys 0..i; with a `window` only the last `window` of those (GPT-OSS's
+nkv: query head h reads kv head h // (nh // nkv)); rows [G] the batch rows to compute; out [B, nh, L, Dv] (head dim
+contiguous), written at those rows. Each row's prefix comes from a `PrefixTable`: the row's entry, whose keys pk
+[nkv, P, D] and values pv [nkv, P, Dv] (contiguous, q's dtype) the kernel reads through their addresses, so that one
+launch serves every row of a batch whatever prefix each continues (a launch per prefix cost ~150 us of host time
+each: 14 prefixes a batch in MMLU, 24 layers, profiled on an H100). Query i of a row sits at position P + i and
+sees the P prefix keys and its own keys 0..i; with a `window` only the last `window` of those (GPT-OSS's
 sliding layers; the window counts the prefix's keys too), and with `sinks` [nh] a learned logit per head joins every
 softmax denominator (GPT-OSS). Right padding after a row's length only ever meets queries of the padding. Fixed tiles,
 and a query's sums over the keys in the same blocks and order wherever the row sits: a row's result does not depend
@@ -20,6 +23,8 @@ on the other rows or the padding (the batch-invariant mode's attention).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,11 +73,11 @@ def _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["L", "P"])
+@triton.jit(do_not_specialize=["L", "E"])
 def prefix_attention_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, out_ptr, rows_ptr, lengths_ptr, sinks_ptr, L, P, WINDOW, qk_scale,
-    stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-    stride_pkh, stride_pkl, stride_pvh, stride_pvl, stride_ob, stride_oh, stride_ol,
+    q_ptr, k_ptr, v_ptr, entry_ptr, addresses_ptr, prefix_lengths_ptr, out_ptr, rows_ptr, lengths_ptr, sinks_ptr, L,
+    E, WINDOW, qk_scale, stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh,
+    stride_vl, stride_ob, stride_oh, stride_ol,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -80,7 +85,9 @@ def prefix_attention_kernel(
     """BLOCK_M query rows of row rows[g]: PACKED query heads of key/value head kvh (heads kvh * GROUP + part *
     PACKED ..), each at the BLOCK_M // PACKED positions from pid_q * that (program 1 = (g * KV_HEADS + kvh) *
     (GROUP // PACKED) + part); every key and value tile read serves all of them. qk_scale: scale * log2(e). Blocks
-    past the row's own length (lengths[b]) hold padding only: written with zeros, nothing computed."""
+    past the row's own length (lengths[b]) hold padding only: written with zeros, nothing computed. The row's prefix:
+    entry e = entry[b] of the table, P = prefix_lengths[e] positions whose keys start at addresses[e] and values at
+    addresses[E + e], each [nkv, P, D or DV] contiguous."""
     BLOCK_Q: tl.constexpr = BLOCK_M // PACKED  # positions per program
     PARTS: tl.constexpr = GROUP // PACKED
     pid_q = tl.program_id(0)
@@ -89,6 +96,11 @@ def prefix_attention_kernel(
     g = tl.program_id(1) // PARTS // KV_HEADS
     b = tl.load(rows_ptr + g).to(tl.int64)
     own = tl.minimum(tl.load(lengths_ptr + b), L)  # the row's positions; the rest is padding
+    e = tl.load(entry_ptr + b)  # the row's prefix: its length, where its keys and values lie
+    P = tl.load(prefix_lengths_ptr + e)
+    pk_ptr = tl.load(addresses_ptr + e).to(tl.pointer_type(k_ptr.dtype.element_ty))
+    pv_ptr = tl.load(addresses_ptr + E + e).to(tl.pointer_type(v_ptr.dtype.element_ty))
+    stride_pkh, stride_pvh = P.to(tl.int64) * D, P.to(tl.int64) * DV  # [nkv, P, D] / [nkv, P, DV], contiguous
     offs_r = tl.arange(0, BLOCK_M)
     head = kvh * GROUP + part * PACKED + offs_r // BLOCK_Q  # [BM] query head of each query row
     pos = pid_q * BLOCK_Q + offs_r % BLOCK_Q  # [BM] position of each query row in the row's own tokens
@@ -108,9 +120,9 @@ def prefix_attention_kernel(
     for n0 in range(0, P, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         keep = offs_n < P
-        kt = tl.load(pk_ptr + kvh * stride_pkh + offs_n[None, :] * stride_pkl + offs_d[:, None],
+        kt = tl.load(pk_ptr + kvh * stride_pkh + offs_n[None, :] * D + offs_d[:, None],
                      mask=keep[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, BN]
-        vv = tl.load(pv_ptr + kvh * stride_pvh + offs_n[:, None] * stride_pvl + offs_dv[None, :],
+        vv = tl.load(pv_ptr + kvh * stride_pvh + offs_n[:, None] * DV + offs_dv[None, :],
                      mask=keep[:, None] & (offs_dv < DV)[None, :], other=0.0)  # [BN, BDV]
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # [BM, BN]
         seen = keep[None, :]
@@ -149,9 +161,40 @@ def heads_per_program(group: int, block_m: int) -> int:
     return packed
 
 
-def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=None, sinks=None,
+class PrefixTable(NamedTuple):
+    """The prefixes of one attention layer's rows: row b continues entry `entry[b]` (int32 [B]); entry e has
+    `lengths[e]` positions (int32 [E]; 0: no prefix) whose keys [nkv, P, D] start at address `addresses[0, e]` and
+    values [nkv, P, Dv] at `addresses[1, e]` (int64 [2, E]), contiguous and in the layer's dtype. All on q's device.
+    The tensors at those addresses must outlive the launch's queued work, as any kernel argument must."""
+    entry: torch.Tensor
+    addresses: torch.Tensor
+    lengths: torch.Tensor
+
+
+def prefix_addresses(prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> list[int]:
+    """[keys' address, values' address] of one prefix's layer for a PrefixTable, after checking its layout."""
+    for t in (prefix_k, prefix_v):
+        if not t.is_contiguous():
+            raise ValueError(f"prefix_attention: a prefix's keys and values must be contiguous, found strides "
+                             f"{t.stride()} for shape {tuple(t.shape)}")
+    return [prefix_k.data_ptr(), prefix_v.data_ptr()]
+
+
+def one_prefix(prefix_k, prefix_v, rows: int, device) -> PrefixTable:
+    """The table of `rows` rows that all continue one prefix (keys [nkv, P, D], values [nkv, P, Dv]), or none (None):
+    the kernel's tests and benchmarks. Copies its addresses to the device (not inside a CUDA graph capture)."""
+    if prefix_k is None:
+        return PrefixTable(torch.zeros(rows, dtype=torch.int32, device=device),
+                           torch.zeros(2, 1, dtype=torch.int64, device=device),
+                           torch.zeros(1, dtype=torch.int32, device=device))
+    return PrefixTable(torch.zeros(rows, dtype=torch.int32, device=device),
+                       torch.tensor(prefix_addresses(prefix_k, prefix_v), dtype=torch.int64, device=device)[:, None],
+                       torch.tensor([prefix_k.shape[1]], dtype=torch.int32, device=device))
+
+
+def prefix_attention(q, k, v, out, rows, scale: float, table: PrefixTable | None = None, sinks=None,
                      window: int | None = None, lengths=None, tiles: dict | None = None) -> None:
-    """out[rows] = the attention of q[rows] over the prefix (prefix_k / prefix_v, None: no prefix) and each row's own
+    """out[rows] = the attention of q[rows] over each row's prefix (`table`; None: no row has one) and its own
     k[rows] / v[rows], causally, within `window` if given, `sinks` [nh] in the denominators if given (shapes in the
     module notes; rows: an int tensor on q's device). `lengths` [B] (int, on q's device): each row's own positions;
     those after are padding, written with zeros (None: all L positions are the rows')."""
@@ -166,21 +209,15 @@ def prefix_attention(q, k, v, out, rows, scale: float, prefix_k=None, prefix_v=N
     if out.stride(-1) != 1:
         raise ValueError("prefix_attention: out's head dim must be contiguous")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if prefix_k is not None:
-        prefix_k, prefix_v = (t if t.stride(-1) == 1 else t.contiguous() for t in (prefix_k, prefix_v))
     if lengths is None:
         lengths = torch.full((B,), L, dtype=torch.int32, device=q.device)
-    P = 0 if prefix_k is None else prefix_k.shape[1]
-    pk = k if prefix_k is None else prefix_k  # not read when P == 0
-    pv = v if prefix_v is None else prefix_v
-    pk_strides = (0, 0) if prefix_k is None else (prefix_k.stride(0), prefix_k.stride(1))
-    pv_strides = (0, 0) if prefix_v is None else (prefix_v.stride(0), prefix_v.stride(1))
+    table = table if table is not None else one_prefix(None, None, B, q.device)
     grid = (triton.cdiv(L, BLOCK_M // packed), rows.numel() * nkv * (group // packed))
     prefix_attention_kernel[grid](
-        q, k, v, pk, pv, out, rows, lengths, q if sinks is None else sinks, L, P, window or 0,
-        scale * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *pk_strides, *pv_strides, out.stride(0), out.stride(1), out.stride(2),
-        KV_HEADS=nkv, GROUP=group, PACKED=packed, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        q, k, v, table.entry, table.addresses, table.lengths, out, rows, lengths, q if sinks is None else sinks, L,
+        table.addresses.shape[1], window or 0, scale * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), KV_HEADS=nkv, GROUP=group, PACKED=packed, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_WINDOW=window is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

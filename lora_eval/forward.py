@@ -32,7 +32,7 @@ from .kernels.head_norm_rope import head_norm_rope
 from .kernels.linear import linear_ref
 from .kernels.lora_meta import lora_metadata
 from .kernels.matmul import matmul
-from .kernels.prefix_attention import prefix_attention
+from .kernels.prefix_attention import PrefixTable, prefix_attention
 from .kernels.rms_norm import rms_norm, rms_norm_ref
 from .kernels.rope import rope, rope_ref
 from .kernels.router import router_topk, router_topk_ref
@@ -78,7 +78,8 @@ class Forward:
         self.capture = capture
         self._attention_calls = 0
         self._rows_by_prefix = None  # built by _prefix_groups
-        self._row_lengths = None  # likewise
+        self._row_lengths = None  # likewise, or by _prefix_table
+        self._table = None  # built by _prefix_table
         self.expert_parallel = expert_parallel  # lora_eval.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
         self.invariant = invariant and self.triton
@@ -374,11 +375,8 @@ class Forward:
         return out
 
     def _prefix_groups(self, rows: int, device) -> list:
-        """[(prefix or None, rows [G] on device)]: the batch's `rows` rows by cached prefix, built at the first layer.
-        Without prefixes (the batch-invariant mode) all rows are one group, made on the device: a CUDA graph captures
-        that, where it cannot capture a copy from the host."""
-        if self._rows_by_prefix is None and self.prefixes is None:
-            self._rows_by_prefix = [(None, torch.arange(rows, device=device))]
+        """[(prefix or None, rows [G] on device)]: the batch's `rows` rows by cached prefix, built at the first layer
+        (the Triton path's sinks-or-window attention outside the batch-invariant mode)."""
         if self._rows_by_prefix is None:
             groups: dict = {}
             for b in range(rows):
@@ -386,28 +384,59 @@ class Forward:
                 groups.setdefault(id(prefix), (prefix, []))[1].append(b)
             self._rows_by_prefix = [(prefix, to_device(members, device))
                                     for prefix, members in groups.values()]
-            self._row_lengths = to_device(self.lengths + [0] * (rows - len(self.lengths)), device, torch.int32)  # [B]
         return self._rows_by_prefix
+
+    def _prefix_table(self, layer: int, rows: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, PrefixTable]:
+        """(every row [B], layer `layer`'s PrefixTable) on device, the batch's built at the first layer: entry 0 is no
+        prefix, then each distinct prefix of the batch (one launch per layer reads every row's own;
+        kernels/prefix_attention.py). Without prefixes (the batch-invariant mode) it is made on the device: a CUDA
+        graph captures that, where it cannot capture a copy from the host. `dtype`: the layer's keys' (the cached
+        prefixes' must match: the kernel reads them as that)."""
+        if self._table is None:
+            every = torch.arange(rows, device=device)  # [B]
+            if self.prefixes is None:
+                self._table = (every, torch.zeros(rows, dtype=torch.int32, device=device),
+                               torch.zeros(2, 1, dtype=torch.int64, device=device),  # [2, 1]: every layer's
+                               torch.zeros(1, dtype=torch.int32, device=device))
+            else:
+                distinct = {}  # id -> (entry, prefix)
+                entry = [0] * rows
+                for b, prefix in enumerate(self.prefixes):
+                    if prefix is not None:
+                        entry[b] = distinct.setdefault(id(prefix), (len(distinct) + 1, prefix))[0]
+                prefixes = [prefix for _, prefix in distinct.values()]
+                wrong = {t.dtype for prefix in prefixes for t in prefix.kv[0]} - {dtype}
+                if wrong:
+                    raise ValueError(f"cached prefixes hold {wrong.pop()} keys or values, the layers compute {dtype}")
+                addresses = torch.stack([torch.zeros_like(prefixes[0].addresses())]
+                                        + [prefix.addresses() for prefix in prefixes], dim=2)  # [layers, 2, E]
+                self._table = (every, to_device(entry, device, torch.int32), to_device(addresses, device),
+                               to_device([0] + [prefix.length for prefix in prefixes], device, torch.int32))
+                self._row_lengths = to_device(self.lengths + [0] * (rows - len(self.lengths)), device,
+                                              torch.int32)  # [B]
+        every, entry, addresses, lengths = self._table
+        return every, PrefixTable(entry, addresses[layer] if addresses.dim() == 3 else addresses, lengths)
 
     def _prefixed_attention(self, layer: int, q, k, v, scale: float, sinks, window) -> torch.Tensor:
         """Attention of a batch some of whose rows continue a cached prefix: per row, over the prefix's keys and
         values of this layer followed by the row's own, query i (at position prefix + i) seeing keys 0..prefix + i
         (and only the last `window` of them; sinks as usual). Rows without a prefix compute exactly what the torch
-        path computes for them. The Triton path takes the rows of one prefix (and those without) in one launch of
-        kernels/prefix_attention.py, which reads the prefix in place (with sinks or a window: plain torch over the
-        prefix's keys concatenated in front, at the padded length, whose right padding sits after every valid
-        position and so outside every real query's view); the torch path goes row by row. Prefixed batches run
-        eagerly, without graphs. The batch-invariant mode's attention comes here too, prefixes or not: every group
-        through the kernel, sinks and window included."""
+        path computes for them. The Triton path runs every row in one launch of kernels/prefix_attention.py, which
+        reads each row's prefix in place (with sinks or a window outside the batch-invariant mode: plain torch per
+        prefix group, over the prefix's keys concatenated in front, at the padded length, whose right padding sits
+        after every valid position and so outside every real query's view); the torch path goes row by row.
+        Prefixed batches run eagerly, without graphs. The batch-invariant mode's attention comes here too, prefixes
+        or not: every row through the kernel, sinks and window included."""
         if self.triton:
-            out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: each row written by its group's launch
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [B, nh, L, Dv]: every row written below
+            if (sinks is None and window is None) or self.invariant:  # (positions past a row's length: zeros)
+                every, table = self._prefix_table(layer, q.shape[0], q.device, k.dtype)
+                prefix_attention(q, k, v, out, every, scale, table, sinks, window, lengths=self._row_lengths)
+                return out
             for prefix, rows in self._prefix_groups(q.shape[0], q.device):
-                pk, pv = (None, None) if prefix is None else (t.to(k.dtype) for t in prefix.kv[layer])
-                if (sinks is None and window is None) or self.invariant:  # (positions past a row's length: zeros)
-                    prefix_attention(q, k, v, out, rows, scale, pk, pv, sinks, window, lengths=self._row_lengths)
-                    continue
                 qg, kg, vg = q[rows], k[rows], v[rows]  # [G, nh, L, D], [G, nkv, L, Dk], [G, nkv, L, Dv]
                 if prefix is not None:  # pk [nkv, P, Dk], pv [nkv, P, Dv]
+                    pk, pv = (t.to(k.dtype) for t in prefix.kv[layer])
                     kg = torch.cat([pk[None].expand(len(rows), -1, -1, -1), kg], dim=2)
                     vg = torch.cat([pv[None].expand(len(rows), -1, -1, -1), vg], dim=2)
                 out[rows] = row_attention(qg, kg, vg, scale, sinks, window, 0 if prefix is None else prefix.length)

@@ -27,9 +27,11 @@ every prefix is computed once.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .kernels.prefix_attention import prefix_addresses
 
 PREFIX_CACHE_BYTES = 2 << 30  # default budget of cached keys and values (2 GiB)
 MIN_SHARED_TOKENS = 32  # compare: leading tokens samples must share before they share a prefix
@@ -44,6 +46,14 @@ class PrefixKV:
     length: int
     kv: list
     logprobs: torch.Tensor | None = None
+    _addresses: torch.Tensor | None = field(default=None, repr=False)
+
+    def addresses(self) -> torch.Tensor:
+        """int64 [layers, 2] on the CPU: where each attention layer's keys and values start (the prefix attention
+        kernel reads them there: kernels/prefix_attention.PrefixTable), worked out once."""
+        if self._addresses is None:
+            self._addresses = torch.tensor([prefix_addresses(k, v) for k, v in self.kv], dtype=torch.int64)
+        return self._addresses
 
     @property
     def nbytes(self) -> int:

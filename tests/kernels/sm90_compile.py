@@ -132,14 +132,14 @@ def _dense_consumers(T: int = 128):
 def _prefix_attention():
     """The prefixed attention at Qwen3-30B-A3B's heads (32 query heads over 4, head dim 128) and MLA's (query/key
     192, value 128), bf16."""
-    from lora_eval.kernels.prefix_attention import prefix_attention
+    from lora_eval.kernels.prefix_attention import one_prefix, prefix_attention
 
     bf16 = dict(dtype=torch.bfloat16)
     for nh, nkv, D, DV in ((32, 4, 128, 128), (16, 16, 192, 128)):
         q, k = torch.empty(8, nh, 100, D, **bf16), torch.empty(8, nkv, 100, D, **bf16)
         v = torch.empty(8, nkv, 100, DV, **bf16)
         prefix_attention(q, k, v, torch.empty(8, nh, 100, DV, **bf16), torch.arange(8), D ** -0.5,
-                         torch.empty(nkv, 600, D, **bf16), torch.empty(nkv, 600, DV, **bf16))
+                         one_prefix(torch.empty(nkv, 600, D, **bf16), torch.empty(nkv, 600, DV, **bf16), 8, "cpu"))
     q, k = torch.empty(8, 64, 100, 64, **bf16), torch.empty(8, 8, 100, 64, **bf16)  # GPT-OSS: sinks, window
     prefix_attention(q, k, k, torch.empty_like(q), torch.arange(8), 0.125, sinks=torch.empty(64, **bf16), window=128)
 
@@ -158,7 +158,7 @@ def _batch_shapes():
     of every divisibility class by 16): each kernel must compile once, not once per class (kernels/__init__.py)."""
     from lora_eval.kernels.logprobs import token_logprobs
     from lora_eval.kernels.matmul import matmul
-    from lora_eval.kernels.prefix_attention import prefix_attention
+    from lora_eval.kernels.prefix_attention import one_prefix, prefix_attention
     from lora_eval.kernels.rms_norm import rms_norm
     from lora_eval.kernels.router import router_topk
 
@@ -174,8 +174,8 @@ def _batch_shapes():
         _dense_consumers(T)
     for L, P in ((100, 600), (112, 601), (113, 608)):
         q, k = torch.empty(8, 32, L, 128, **bf16), torch.empty(8, 4, L, 128, **bf16)
-        prefix_attention(q, k, k, torch.empty_like(q), torch.arange(8), 0.1, torch.empty(4, P, 128, **bf16),
-                         torch.empty(4, P, 128, **bf16))
+        prefix_attention(q, k, k, torch.empty_like(q), torch.arange(8), 0.1,
+                         one_prefix(torch.empty(4, P, 128, **bf16), torch.empty(4, P, 128, **bf16), 8, "cpu"))
 
 
 def _compile_clock():

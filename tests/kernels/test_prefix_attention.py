@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lora_eval.forward import row_attention, sink_attention
-from lora_eval.kernels.prefix_attention import heads_per_program, prefix_attention, prefix_attention_ref
+from lora_eval.kernels.prefix_attention import (PrefixTable, heads_per_program, one_prefix, prefix_addresses,
+                                                prefix_attention, prefix_attention_ref)
 from lora_eval.kernels.tiles import PREFIX_ATTENTION_TILES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +47,7 @@ def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P, sinks, window):
     scale = D ** -0.5
     out = torch.full((B, nh, L, DV), float("nan"), dtype=dtype, device=DEVICE)
     rows = torch.tensor([0, 2], device=DEVICE)
-    prefix_attention(q, k, v, out, rows, scale, pk, pv, sink, window)
+    prefix_attention(q, k, v, out, rows, scale, one_prefix(pk, pv, B, DEVICE), sink, window)
     ref = prefix_attention_ref(q, k, v, scale, pk, pv, sink, window)
     assert out[1].isnan().all()
     assert not out[rows].isnan().any()
@@ -63,14 +64,46 @@ def test_matches_reference(seed, dtype, tol, nh, nkv, D, DV, P, sinks, window):
         torch_form = row_attention(q.float(), kk.float(), vv.float(), scale, offset=P)
     assert (out[rows].float() - torch_form[rows]).abs().max().item() < tol
     # each feature matters: the same rows without the prefix, the sinks or the window differ
-    for name, change in (("prefix", dict(prefix_k=None, prefix_v=None)), ("sinks", dict(sinks=None)),
-                         ("window", dict(window=None))):
-        given = dict(prefix_k=pk, prefix_v=pv, sinks=sink, window=window)
+    for name, change in (("prefix", dict(table=None)), ("sinks", dict(sinks=None)), ("window", dict(window=None))):
+        given = dict(table=None if pk is None else one_prefix(pk, pv, B, DEVICE), sinks=sink, window=window)
         if given[next(iter(change))] is None:
             continue
         other = torch.full_like(out, float("nan"))
         prefix_attention(q, k, v, other, rows, scale, **{**given, **change})
         assert (other[rows].float() - out[rows].float()).abs().max().item() > 10 * tol, name
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("sinks,window", [(False, None), (True, BM // 2 + 5)], ids=["plain", "sinks-window"])
+def test_rows_of_different_prefixes_in_one_launch(seed, dtype, tol, sinks, window):
+    """One launch over a batch whose rows continue different prefixes (of their own lengths, one of them none, two
+    rows sharing one; an entry that no row uses), rows of their own lengths: each row equals the reference of that
+    row alone with its own prefix, and a row omitted from `rows` is left untouched."""
+    g = torch.Generator().manual_seed(seed)
+    nh, nkv, D, DV = 8, 2, 24, 16
+    B, L = 6, BM + 7
+    q, k, v, _, _ = _case(g, B, nh, nkv, L, 0, D, DV, dtype)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    sizes = [0, 5, BM + 9, 2 * BM + 3, 17]  # entry 0: no prefix; entry 4: not used
+    kv = [None] + [(draw(nkv, P, D), draw(nkv, P, DV)) for P in sizes[1:]]
+    entry = [2, 0, 3, 1, 2, 3]
+    lengths = [L, 1, int(torch.randint(2, L, (1,), generator=g)), L - 3, 9, L]
+    addresses = torch.tensor([[0, 0]] + [prefix_addresses(*pair) for pair in kv[1:]], dtype=torch.int64).T
+    table = PrefixTable(torch.tensor(entry, dtype=torch.int32, device=DEVICE), addresses.contiguous().to(DEVICE),
+                        torch.tensor(sizes, dtype=torch.int32, device=DEVICE))
+    sink = (3 + torch.rand(nh, generator=g)).to(DEVICE, dtype) if sinks else None
+    rows = torch.tensor([0, 1, 2, 3, 5], device=DEVICE)  # row 4 left out
+    out = torch.full((B, nh, L, DV), float("nan"), dtype=dtype, device=DEVICE)
+    prefix_attention(q, k, v, out, rows, D ** -0.5, table, sink, window,
+                     lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    assert out[4].isnan().all()
+    for b in rows.tolist():
+        n, pair = lengths[b], kv[entry[b]]
+        alone = prefix_attention_ref(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n], D ** -0.5,
+                                     *(pair or (None, None)), sink, window)
+        assert (out[b:b + 1, :, :n].float() - alone.float()).abs().max().item() < tol, b
+    with pytest.raises(ValueError, match="must be contiguous"):
+        prefix_addresses(kv[1][0].transpose(1, 2), kv[1][1])
 
 
 def test_heads_per_program():
@@ -89,7 +122,7 @@ def test_rows_shorter_than_the_batch(seed, dtype):
     q, k, v, pk, pv = _case(g, B, nh, nkv, L, P, D, D, dtype)
     lengths = [L, 1, int(torch.randint(2, L // 2, (1,), generator=g)), int(torch.randint(L // 2, L, (1,), generator=g))]
     out = torch.full((B, nh, L, D), float("nan"), dtype=dtype, device=DEVICE)
-    prefix_attention(q, k, v, out, torch.arange(B, device=DEVICE), D ** -0.5, pk, pv,
+    prefix_attention(q, k, v, out, torch.arange(B, device=DEVICE), D ** -0.5, one_prefix(pk, pv, B, DEVICE),
                      lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     block = BM // heads_per_program(nh // nkv, BM)  # positions per program
     assert not out.isnan().any()
@@ -118,7 +151,7 @@ def test_gpu_bf16_real_heads(seed, nh, nkv, D, DV):
     q, k, v, pk, pv = _case(g, B, nh, nkv, L, P, D, DV, torch.bfloat16)
     scale = D ** -0.5
     out = torch.empty(B, nh, L, DV, dtype=torch.bfloat16, device="cuda")
-    prefix_attention(q, k, v, out, torch.arange(B, device="cuda"), scale, pk, pv)
+    prefix_attention(q, k, v, out, torch.arange(B, device="cuda"), scale, one_prefix(pk, pv, B, "cuda"))
     ref = prefix_attention_ref(q.float(), k.float(), v.float(), scale, pk.float(), pv.float())
     kk = torch.cat([pk[None].expand(B, -1, -1, -1), k], dim=2)
     vv = torch.cat([pv[None].expand(B, -1, -1, -1), v], dim=2)
