@@ -73,10 +73,10 @@ def _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["L", "E"])
+@triton.jit(do_not_specialize=["k_address", "v_address", "L", "E"])
 def prefix_attention_kernel(
-    q_ptr, k_ptr, v_ptr, entry_ptr, addresses_ptr, prefix_lengths_ptr, out_ptr, rows_ptr, lengths_ptr, sinks_ptr, L,
-    E, WINDOW, qk_scale, stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh,
+    q_ptr, k_ptr, v_ptr, k_address, v_address, entry_ptr, addresses_ptr, prefix_lengths_ptr, out_ptr, rows_ptr,
+    lengths_ptr, sinks_ptr, L, E, WINDOW, qk_scale, stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh,
     stride_vl, stride_ob, stride_oh, stride_ol,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -98,8 +98,13 @@ def prefix_attention_kernel(
     own = tl.minimum(tl.load(lengths_ptr + b), L)  # the row's positions; the rest is padding
     e = tl.load(entry_ptr + b)  # the row's prefix: its length, where its keys and values lie
     P = tl.load(prefix_lengths_ptr + e)
-    pk_ptr = tl.load(addresses_ptr + e).to(tl.pointer_type(k_ptr.dtype.element_ty))
-    pv_ptr = tl.load(addresses_ptr + E + e).to(tl.pointer_type(v_ptr.dtype.element_ty))
+    # reached from k_ptr and v_ptr by a whole number of 16-byte steps (prefix_addresses checks the alignment), as the
+    # compiler must know to load the prefix's tiles in 16-byte pieces: from a pointer made of an integer it loads
+    # them element by element (sm_90 PTX: 128 ld.global.b16 in place of cp.async), hints or not
+    ek: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+    ev: tl.constexpr = v_ptr.dtype.element_ty.primitive_bitwidth // 8
+    pk_ptr = k_ptr + tl.multiple_of((tl.load(addresses_ptr + e) - k_address) // ek, 16 // ek)
+    pv_ptr = v_ptr + tl.multiple_of((tl.load(addresses_ptr + E + e) - v_address) // ev, 16 // ev)
     stride_pkh, stride_pvh = P.to(tl.int64) * D, P.to(tl.int64) * DV  # [nkv, P, D] / [nkv, P, DV], contiguous
     offs_r = tl.arange(0, BLOCK_M)
     head = kvh * GROUP + part * PACKED + offs_r // BLOCK_Q  # [BM] query head of each query row
@@ -172,11 +177,12 @@ class PrefixTable(NamedTuple):
 
 
 def prefix_addresses(prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> list[int]:
-    """[keys' address, values' address] of one prefix's layer for a PrefixTable, after checking its layout."""
+    """[keys' address, values' address] of one prefix's layer for a PrefixTable, after checking its layout: contiguous,
+    16-byte aligned (the kernel's loads of its tiles count on it)."""
     for t in (prefix_k, prefix_v):
-        if not t.is_contiguous():
-            raise ValueError(f"prefix_attention: a prefix's keys and values must be contiguous, found strides "
-                             f"{t.stride()} for shape {tuple(t.shape)}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"prefix_attention: a prefix's keys and values must be contiguous and 16-byte aligned, "
+                             f"found strides {t.stride()} for shape {tuple(t.shape)} at address {t.data_ptr():#x}")
     return [prefix_k.data_ptr(), prefix_v.data_ptr()]
 
 
@@ -214,7 +220,8 @@ def prefix_attention(q, k, v, out, rows, scale: float, table: PrefixTable | None
     table = table if table is not None else one_prefix(None, None, B, q.device)
     grid = (triton.cdiv(L, BLOCK_M // packed), rows.numel() * nkv * (group // packed))
     prefix_attention_kernel[grid](
-        q, k, v, table.entry, table.addresses, table.lengths, out, rows, lengths, q if sinks is None else sinks, L,
+        q, k, v, k.data_ptr(), v.data_ptr(), table.entry, table.addresses, table.lengths, out, rows, lengths,
+        q if sinks is None else sinks, L,
         table.addresses.shape[1], window or 0, scale * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
         out.stride(2), KV_HEADS=nkv, GROUP=group, PACKED=packed, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
