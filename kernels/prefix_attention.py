@@ -76,8 +76,8 @@ def _online_softmax(s, seen, vv, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 @triton.jit(do_not_specialize=["k_address", "v_address", "L", "E"])
 def prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_address, v_address, entry_ptr, addresses_ptr, prefix_lengths_ptr, out_ptr, rows_ptr,
-    lengths_ptr, sinks_ptr, L, E, WINDOW, qk_scale, stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh,
-    stride_vl, stride_ob, stride_oh, stride_ol,
+    lengths_ptr, sinks_ptr, L, E, WINDOW, qk_scale, stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl, stride_ob, stride_oh, stride_ol,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -221,10 +221,10 @@ def prefix_attention(q, k, v, out, rows, scale: float, table: PrefixTable | None
     grid = (triton.cdiv(L, BLOCK_M // packed), rows.numel() * nkv * (group // packed))
     prefix_attention_kernel[grid](
         q, k, v, k.data_ptr(), v.data_ptr(), table.entry, table.addresses, table.lengths, out, rows, lengths,
-        q if sinks is None else sinks, L,
-        table.addresses.shape[1], window or 0, scale * 1.4426950408889634, q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
-        out.stride(2), KV_HEADS=nkv, GROUP=group, PACKED=packed, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        q if sinks is None else sinks, L, table.addresses.shape[1], window or 0, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        KV_HEADS=nkv, GROUP=group, PACKED=packed, D=D, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_WINDOW=window is not None, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
