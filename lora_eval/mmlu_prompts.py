@@ -63,8 +63,12 @@ def prompt_prefixes(questions: pd.DataFrame, dev: pd.DataFrame | None, shots: in
 
 def prompts(questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int) -> list[str]:
     """The paper's `shots`-shot prompt of every question: header, dev examples, the question ending "\\nAnswer:"."""
-    prefixes = prompt_prefixes(questions, dev, shots)
-    return [prefixes[q["subject"]][shots] + format_question(q, False) for q in questions.to_dict("records")]
+    return _prompts(questions.to_dict("records"), prompt_prefixes(questions, dev, shots), shots)
+
+
+def _prompts(records: list[dict], prefixes: dict[str, list[str]], shots: int) -> list[str]:
+    """`prompts` of question records, given their subjects' prefixes (prompt_prefixes)."""
+    return [prefixes[q["subject"]][shots] + format_question(q, False) for q in records]
 
 
 def encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -89,7 +93,7 @@ def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | Non
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "sequence longer than the model maximum": checked here
     try:
-        ids = encode(tokenizer, prompts(questions, dev, shots))
+        ids = encode(tokenizer, _prompts(records, prefixes, shots))  # (records and prefixes made once)
         used = [shots] * len(ids)
         for i, q in enumerate(records):
             while max_len is not None and len(ids[i]) > max_len:

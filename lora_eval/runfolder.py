@@ -180,10 +180,11 @@ class InputDigests:
     """The fingerprints of a run's input files: the model folder's (`_model_file_digester`), the adapters'
     (`_adapter_file_digest`) and `files` (name -> path, hashed whole: references, data files, prompts). Each file is
     hashed on a background thread (a pool of at most 4, ended once its jobs are done) from the moment the task knows
-    its inputs, while it goes on reading and checking them; `result()` waits for them where the run folder opens. File reads and hashlib release the GIL. Hashed in line, the whole-file
-    sha256 of a compare's adapter and reference was most of its read phase (H100, 24-layer checkpoint: 1.1 s;
-    BENCHMARKS-history section 13). A digest's failure (a file gone since) is raised by `result()`; one the task's
-    own checks find first is never raised."""
+    its inputs, while it goes on reading and checking them; `result()` waits for them where the run folder opens.
+    File reads and hashlib release the GIL. Hashed in line, the whole-file sha256 of a compare's adapter and
+    reference was most of its read phase (H100, 24-layer checkpoint: 1.1 s; BENCHMARKS-history section 13). A
+    digest's failure (a file gone since) is raised by `result()`; one the task's own checks find first is never
+    raised."""
 
     def __init__(self, model: str | Path | None = None, adapters: dict[str, str | Path] | None = None,
                  files: dict[str, str | Path] | None = None, prefix: str = ""):
