@@ -1,6 +1,6 @@
 """diagnose.md, diagnose.html and the terminal summary of a diagnose run, from a DiagnoseResult (fresh, or read back
-with results.read_diagnose). The HTML page is self-contained (plots as PNG in base64) and deterministic: no clock
-time, PNGs without metadata (plots.png)."""
+with results.read_diagnose). The HTML page is self-contained (figures as inline SVG) and deterministic: no clock
+time, figures that are functions of the tables alone."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pandas as pd
 
 from . import plots
 from .formatting import fixed_width, markdown_table, model_line
-from .html_report import CSS, html_image, html_table
+from .html_report import CSS, html_figure, html_table
 from .results import DIAGNOSE_POINTS, DiagnoseResult
 
-STYLES = {"attention": "-", "router": "--", "moe": "-.", "residual": "-"}
+DASHES = {"attention": None, "router": "5 3", "moe": "6 2 1 2", "residual": None}
 ERRORS_NOTE = ("rel_error = ‖a - b‖ / ‖b‖ of each point over every position (a: the engine, b: side B); "
                "router_flip_rate: share of positions whose top-k expert set differs; drift and new_flips: what the "
                "rule reads (over the positions whose routing agreed so far).")
@@ -126,34 +126,32 @@ def diagnose_markdown(result: DiagnoseResult) -> str:
 def error_figure(layers: pd.DataFrame, adapter: str, first: int | None) -> plots.Figure:
     """rel_error per layer (log scale) of each point, and the router flip rate per MoE layer, of one adapter; the
     first divergent layer marked."""
-    from matplotlib.ticker import MaxNLocator
-
     mine = layers[layers["adapter"] == adapter]
-    with plots.styled():
-        fig = plots.new_figure(plots.WIDTH, 5.0)
-        errors, flips = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-        colors = plots.color_of(DIAGNOSE_POINTS)
-        for point in DIAGNOSE_POINTS:
-            part = mine[mine["point"] == point]
-            values = part["rel_error"].to_numpy(dtype=float)
-            if len(part) and (values > 0).any():
-                errors.plot(part["layer"], np.where(values > 0, values, np.nan), STYLES[point], marker="o",
-                            markersize=3, color=colors[point], label=point)
-        if (mine["rel_error"] > 0).any():
-            errors.set_yscale("log")
-        errors.set_ylabel("rel_error (log)")
-        errors.set_title(f"{adapter}: error per layer (zeros not drawn)")
-        router = mine[mine["point"] == "router"]
-        flips.bar(router["layer"], router["router_flip_rate"].fillna(0), color=colors["router"], width=0.6)
-        flips.set_ylabel("router flip rate")
-        flips.set_xlabel("layer")
-        for ax in (errors, flips):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if first is not None:
-                ax.axvline(first, color="#cf222e", linestyle=":", linewidth=1.2,
-                           label=f"first divergent layer ({first})" if ax is errors else None)
-        if errors.get_legend_handles_labels()[0]:
-            errors.legend(loc="upper left")
+    fig = plots.Figure(plots.WIDTH, 500, rows=2, heights=[3, 2])
+    (errors,), (flips,) = fig.axes
+    colors = plots.color_of(DIAGNOSE_POINTS)
+    for point in DIAGNOSE_POINTS:
+        part = mine[mine["point"] == point]
+        values = part["rel_error"].to_numpy(dtype=float)
+        if len(part) and (values > 0).any():
+            errors.line(part["layer"], np.where(values > 0, values, np.nan), colors[point], dash=DASHES[point],
+                        markers=True, label=point)
+    errors.y.log = bool((mine["rel_error"] > 0).any())
+    errors.ylabel = "rel_error (log)"
+    errors.title = f"{adapter}: error per layer (zeros not drawn)"
+    router = mine[mine["point"] == "router"]
+    layer = router["layer"].to_numpy(dtype=float)
+    flips.bars(layer - 0.3, layer + 0.3, router["router_flip_rate"].fillna(0), colors["router"],
+               bottom=np.zeros(len(router)))
+    flips.ylabel = "router flip rate"
+    flips.xlabel = "layer"
+    shown = mine["layer"].to_numpy(dtype=float)
+    for ax in (errors, flips):
+        ax.x.integer = True
+        ax.x.limits = (shown.min() - 0.6, shown.max() + 0.6) if len(shown) else (-0.6, 0.6)  # the panels share x
+        if first is not None:
+            ax.vline(first, "#cf222e", width=1.2, dash="2 2",
+                     label=f"first divergent layer ({first})" if ax is errors else None)
     return fig
 
 
@@ -167,7 +165,7 @@ def diagnose_html(result: DiagnoseResult) -> str:
             continue
         first = entry.get("first_divergent_layer")
         body += [f"<h2>{html.escape(adapter)}</h2>",
-                 html_image(plots.png(error_figure(result.layers, adapter, first)), f"errors per layer: {adapter}"),
+                 html_figure(error_figure(result.layers, adapter, first), f"errors per layer: {adapter}"),
                  "<details><summary>Errors per layer</summary>", f"<p>{html.escape(ERRORS_NOTE)}</p>",
                  html_table(error_table(result.layers, entry, adapter)), "</details>"]
     flips = flips_table(result)

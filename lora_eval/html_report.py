@@ -1,10 +1,9 @@
-"""report.html: one self-contained page per run (tables + PNG plots embedded as base64), from a CompareResult or
-an MmluResult. Deterministic: the page holds no clock time (only what run.json holds) and the PNGs carry no
-metadata, so re-rendering a run folder gives the same bytes as the report written with the run."""
+"""report.html: one self-contained page per run (tables + SVG figures inline), from a CompareResult or an
+MmluResult. Deterministic: the page holds no clock time (only what run.json holds) and the figures are pure
+functions of the tables, so re-rendering a run folder gives the same bytes as the report written with the run."""
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import re
@@ -27,7 +26,7 @@ th, td { border: 1px solid #d0d7de; padding: 0.25em 0.6em; text-align: right; wh
 th { background: #f6f8fa; } td.text { text-align: left; white-space: pre-wrap; font-family: monospace; }
 tr.fail td { background: #ffebe9; } td.PASS { color: #1a7f37; font-weight: bold; }
 td.FAIL { color: #cf222e; font-weight: bold; } mark { background: #ffd8a8; } .ctx { color: #57606a; }
-img { max-width: 100%; display: block; margin: 0.5em 0 1.5em 0; } code { background: #f6f8fa; padding: 0 0.2em; }
+svg { max-width: 100%; height: auto; display: block; margin: 0.5em 0 1.5em 0; } code { background: #f6f8fa; padding: 0 0.2em; }
 p.note { color: #57606a; font-size: 0.9em; }
 """
 
@@ -60,8 +59,9 @@ def html_table(frame: pd.DataFrame, failed_rows: list[bool] | None = None) -> st
     return f"<table>\n<tr>{head}</tr>\n" + "\n".join(body) + "\n</table>"
 
 
-def html_image(png_bytes: bytes, alt: str) -> str:
-    return f'<img alt="{_esc(alt)}" src="data:image/png;base64,{base64.b64encode(png_bytes).decode("ascii")}">'
+def html_figure(figure: plots.Figure, alt: str) -> str:
+    """A figure inline, `alt` its accessible name."""
+    return figure.svg(title=alt, standalone=False)
 
 
 def _page(title: str, passed: bool, body: list[str]) -> str:
@@ -124,13 +124,13 @@ def compare_html(result) -> str:
         body += ["<h2>Engine beside the sampler's noise floor</h2>",
                  "<p>The sampler columns compare the reference with the logprobs the original sampler reported "
                  "(<code>ref - sampler</code>): the mismatch a serving stack already lives with.</p>",
-                 html_table(floor), html_image(plots.png(plots.noise_floor(summary, tokens)),
+                 html_table(floor), html_figure(plots.noise_floor(summary, tokens),
                                                "engine and sampler mismatch per adapter")]
     body += ["<h2>|d| per token</h2>",
-             html_image(plots.png(plots.abs_diff_histogram(tokens)), "histogram of |d| per adapter"),
-             "<h2>d by position</h2>", html_image(plots.png(plots.diff_by_position(tokens)), "d by position"),
+             html_figure(plots.abs_diff_histogram(tokens), "histogram of |d| per adapter"),
+             "<h2>d by position</h2>", html_figure(plots.diff_by_position(tokens), "d by position"),
              "<h2>k2 per sample</h2>",
-             html_image(plots.png(plots.k2_per_sample(samples, args.get("max_k2"))), "k2 per sample")]
+             html_figure(plots.k2_per_sample(samples, args.get("max_k2")), "k2 per sample")]
     worst = result.worst
     if len(worst):
         source = (f"decoded with the tokenizer in <code>{_esc(run['tokenizer'])}</code>" if run.get("tokenizer")
@@ -181,9 +181,9 @@ def mmlu_html(run) -> str:
             f"{_esc(args.get('shots'))}-shot; max drop {_esc(args.get('max_drop'))} points of micro accuracy. "
             "Deltas (adapter - base, in points) are paired per question, with 95% intervals.</p>",
             "<h2>Summary</h2>", html_table(display_table(summary), failed),
-            html_image(plots.png(plots.mmlu_group_deltas(summary)), "accuracy difference to base by group"),
+            html_figure(plots.mmlu_group_deltas(summary), "accuracy difference to base by group"),
             "<h2>Per subject: adapter - base</h2>",
-            html_image(plots.png(plots.mmlu_subject_deltas(subjects)), "per-subject accuracy difference to base")]
+            html_figure(plots.mmlu_subject_deltas(subjects), "per-subject accuracy difference to base")]
     if len(run.questions):
         body += ["<h2>Answers changed against base</h2>",
                  "<p><code>fixed</code>: base wrong, adapter right; <code>broken</code>: base right, adapter "

@@ -1,68 +1,26 @@
-"""Figures for the reports: matplotlib on the Agg canvas (no pyplot, no global backend change).
-
-Every function takes the run's DataFrames and returns a `Figure`; `png(fig)` turns one into PNG bytes that
-are the same byte for byte for the same data (fixed style, fixed size and dpi, no software/date metadata),
-so a report re-rendered from the saved files equals the original. matplotlib is imported with the first figure (it
-takes ~0.5 s: a command that draws nothing, or stops at a bad input, does not wait for it).
+"""Figures for the reports, from the run's DataFrames: each function returns an `svg.Figure` (drawn by our own
+SVG code, lora_eval/svg.py: milliseconds where matplotlib took ~1.1 s of compare's write phase) that report.html
+holds inline and Jupyter shows as it is. The same data give the same bytes, so a report re-rendered from the saved
+files equals the original.
 """
 
 from __future__ import annotations
 
-import io
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+from .svg import Figure
 
-DPI = 100
-WIDTH = 8.0  # inches
-STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8,
-         "xtick.labelsize": 8, "ytick.labelsize": 8, "axes.grid": True, "grid.alpha": 0.3,
-         "font.family": "DejaVu Sans", "figure.facecolor": "white", "axes.facecolor": "white",
-         "savefig.facecolor": "white", "path.simplify": True}
+WIDTH = 800  # px
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf"]
 OVERALL = "overall"
 
 
-def styled():
-    """A context in which figures are built and drawn with STYLE."""
-    from matplotlib import rc_context
-
-    return rc_context(STYLE)
-
-
-def new_figure(width: float, height: float) -> Figure:
-    """An empty figure (inches) on no global backend, laid out when drawn."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
-
-
-def png(fig: Figure) -> bytes:
-    """The figure as deterministic PNG bytes (no Software tag, no timestamp)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buffer = io.BytesIO()
-    with styled():
-        fig.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
-    return buffer.getvalue()
-
-
 def color_of(names: list[str]) -> dict[str, str]:
     return {name: COLORS[i % len(COLORS)] for i, name in enumerate(names)}
-
-
-def _figure(height: float, rows: int = 1, cols: int = 1, width: float = WIDTH, **kwargs):
-    with styled():
-        fig = new_figure(width, height)
-        axes = fig.subplots(rows, cols, squeeze=False, **kwargs)
-    return fig, axes
 
 
 def _masked(tokens: pd.DataFrame, columns: list[str]) -> dict[str, np.ndarray]:
@@ -93,49 +51,45 @@ def _log_bins(values: np.ndarray, per_decade: int = 5) -> np.ndarray:
 
 def abs_diff_histogram(tokens: pd.DataFrame) -> Figure:
     """|ref - engine| per token, one panel per adapter, log-spaced bins on a log x axis (masked tokens)."""
-    with styled():
-        masked = _masked(tokens, ["adapter", "d"])
-        rows = _rows_by_adapter(masked["adapter"])
-        adapters = list(rows)
-        colors = color_of(adapters)
-        d = np.abs(masked["d"].astype(np.float64))
-        bins = _log_bins(d)
-        fig, axes = _figure(0.4 + 1.5 * max(len(adapters), 1), rows=max(len(adapters), 1), sharex=True)
-        for ax, adapter in zip(axes[:, 0], adapters):
-            a = d[rows[adapter]]
-            zeros = int((a == 0).sum())
-            ax.hist(a[a > 0], bins=bins, color=colors[adapter], alpha=0.8)
-            label = f"{adapter}: {len(a)} tokens" + (f", {zeros} exactly 0 (not drawn)" if zeros else "")
-            ax.set_title(label, loc="left")
-            ax.set_xscale("log")
-            ax.set_ylabel("tokens")
-        axes[-1, 0].set_xlabel("|ref - engine| (nats, log scale)")
+    masked = _masked(tokens, ["adapter", "d"])
+    rows = _rows_by_adapter(masked["adapter"])
+    adapters = list(rows)
+    colors = color_of(adapters)
+    d = np.abs(masked["d"].astype(np.float64))
+    bins = _log_bins(d)
+    fig = Figure(WIDTH, 40 + 150 * max(len(adapters), 1), rows=max(len(adapters), 1), xlog=True)
+    for (ax,), adapter in zip(fig.axes, adapters):
+        a = d[rows[adapter]]
+        zeros = int((a == 0).sum())
+        counts, _ = np.histogram(a[a > 0], bins=bins)
+        ax.bars(bins[:-1], bins[1:], counts, colors[adapter], bottom=np.zeros(len(counts)), opacity=0.8)
+        ax.title = f"{adapter}: {len(a)} tokens" + (f", {zeros} exactly 0 (not drawn)" if zeros else "")
+        ax.ylabel = "tokens"
+    for (ax,) in fig.axes:
+        ax.x.limits = (float(bins[0]), float(bins[-1]))
+    fig.axes[-1][0].xlabel = "|ref - engine| (nats, log scale)"
     return fig
 
 
 def diff_by_position(tokens: pd.DataFrame) -> Figure:
     """Signed d = ref - engine against the token position: the mean per position and the min..max band."""
-    with styled():
-        masked = _masked(tokens, ["adapter", "position", "d"])
-        rows = _rows_by_adapter(masked["adapter"])
-        adapters = list(rows)
-        colors = color_of(adapters)
-        fig, axes = _figure(3.2)
-        ax = axes[0, 0]
-        for adapter in adapters:
-            part = pd.DataFrame({"position": masked["position"][rows[adapter]],
-                                 "d": masked["d"][rows[adapter]]}).groupby("position")["d"]
-            stats = pd.DataFrame(dict(mean=part.mean(), lo=part.min(), hi=part.max())).sort_index()
-            x = stats.index.to_numpy()
-            ax.plot(x, stats["mean"].to_numpy(), color=colors[adapter], lw=1.2, label=f"{adapter} (mean)")
-            ax.fill_between(x, stats["lo"].to_numpy(), stats["hi"].to_numpy(), color=colors[adapter], alpha=0.2,
-                            lw=0)
-        ax.axhline(0, color="black", lw=0.6)
-        ax.set_xlabel("position (index of the predicted token - 1)")
-        ax.set_ylabel("ref - engine (nats)")
-        ax.set_title("d by position: mean per position, band = min..max over samples", loc="left")
-        if adapters:
-            ax.legend(loc="best")
+    masked = _masked(tokens, ["adapter", "position", "d"])
+    rows = _rows_by_adapter(masked["adapter"])
+    adapters = list(rows)
+    colors = color_of(adapters)
+    fig = Figure(WIDTH, 320)
+    ax = fig.axes[0][0]
+    for adapter in adapters:
+        part = pd.DataFrame({"position": masked["position"][rows[adapter]],
+                             "d": masked["d"][rows[adapter]]}).groupby("position")["d"]
+        stats = pd.DataFrame(dict(mean=part.mean(), lo=part.min(), hi=part.max())).sort_index()
+        x = stats.index.to_numpy()
+        ax.band(x, stats["lo"].to_numpy(), stats["hi"].to_numpy(), colors[adapter], opacity=0.2)
+        ax.line(x, stats["mean"].to_numpy(), colors[adapter], width=1.2, label=f"{adapter} (mean)")
+    ax.hline(0, "black", width=0.6)
+    ax.xlabel = "position (index of the predicted token - 1)"
+    ax.ylabel = "ref - engine (nats)"
+    ax.title = "d by position: mean per position, band = min..max over samples"
     return fig
 
 
@@ -146,62 +100,60 @@ def _log_floor(values: np.ndarray) -> float:
 
 def k2_per_sample(samples: pd.DataFrame, max_k2: float | None) -> Figure:
     """k2 of every sample, one column per adapter (log y); the k2 threshold as a red line."""
-    with styled():
-        samples = samples[samples["k2"].notna()]
-        adapters = _adapters(samples)
-        colors = color_of(adapters)
-        k2 = samples["k2"].to_numpy(dtype=np.float64)
-        floor = _log_floor(np.concatenate([k2, [max_k2] if max_k2 else []]))
-        fig, axes = _figure(3.2)
-        ax = axes[0, 0]
-        for i, adapter in enumerate(adapters):
-            values = samples.loc[samples["adapter"] == adapter, "k2"].to_numpy(dtype=np.float64)
-            x = i + np.linspace(-0.3, 0.3, len(values)) if len(values) > 1 else np.full(len(values), float(i))
-            zero = values <= 0
-            ax.scatter(x[~zero], values[~zero], s=12, color=colors[adapter], alpha=0.8)
-            if zero.any():
-                ax.scatter(x[zero], np.full(zero.sum(), floor), s=14, marker="v", color=colors[adapter],
-                           label=f"{adapter}: k2 = 0 (drawn at {floor:.0e})")
-        if max_k2:
-            ax.axhline(max_k2, color="#d62728", lw=1, ls="--", label=f"threshold k2 = {max_k2:g}")
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(adapters)), adapters)
-        ax.set_xlim(-0.6, max(len(adapters), 1) - 0.4)
-        ax.set_ylabel("k2 = mean(d^2 / 2) per sample")
-        ax.set_title("k2 per sample", loc="left")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best")
+    samples = samples[samples["k2"].notna()]
+    adapters = _adapters(samples)
+    colors = color_of(adapters)
+    k2 = samples["k2"].to_numpy(dtype=np.float64)
+    floor = _log_floor(np.concatenate([k2, [max_k2] if max_k2 else []]))
+    fig = Figure(WIDTH, 320, ylog=True)
+    ax = fig.axes[0][0]
+    for i, adapter in enumerate(adapters):
+        values = samples.loc[samples["adapter"] == adapter, "k2"].to_numpy(dtype=np.float64)
+        x = i + np.linspace(-0.3, 0.3, len(values)) if len(values) > 1 else np.full(len(values), float(i))
+        zero = values <= 0
+        ax.points(x[~zero], values[~zero], colors[adapter], size=3)
+        if zero.any():
+            ax.points(x[zero], np.full(zero.sum(), floor), colors[adapter], size=4, marker="triangle",
+                      label=f"{adapter}: k2 = 0 (drawn at {floor:.0e})")
+    if max_k2:
+        ax.hline(max_k2, "#d62728", width=1, dash="5 3", label=f"threshold k2 = {max_k2:g}")
+    ax.x.ticks = (list(range(len(adapters))), adapters)
+    ax.x.limits = (-0.6, max(len(adapters), 1) - 0.4)
+    ax.ylabel = "k2 = mean(d^2 / 2) per sample"
+    ax.title = "k2 per sample"
     return fig
 
 
 def noise_floor(summary: pd.DataFrame, tokens: pd.DataFrame) -> Figure:
     """The engine's mismatch beside the sampler's (ref - sampler): mean |d| and k2 per adapter, and the
     pooled |d| histograms of both."""
-    with styled():
-        rows = summary[summary["sampler_k2"].notna()]
-        names = list(rows["adapter"])
-        fig, axes = _figure(3.4, cols=3)
-        x = np.arange(len(names))
-        for ax, metric in zip(axes[0, :2], ("mean_abs_diff", "k2")):
-            engine = rows[metric].to_numpy(dtype=np.float64)
-            sampler = rows[f"sampler_{metric}"].to_numpy(dtype=np.float64)
-            floor = _log_floor(np.concatenate([engine, sampler]))
-            ax.bar(x - 0.2, np.maximum(engine, floor), 0.4, color="#1f77b4", label="engine: ref - engine")
-            ax.bar(x + 0.2, np.maximum(sampler, floor), 0.4, color="#7f7f7f", label="sampler: ref - sampler")
-            ax.set_yscale("log")
-            ax.set_xticks(x, names, rotation=30, ha="right")
-            ax.set_title(metric, loc="left")
-        fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside upper center", ncols=2)
-        ax = axes[0, 2]
-        masked = _masked(tokens, ["d", "sampler_d"])
-        engine = np.abs(masked["d"].astype(np.float64))
-        sampler = np.abs(masked["sampler_d"].astype(np.float64))
-        sampler = sampler[~np.isnan(sampler)]
-        bins = _log_bins(np.concatenate([engine, sampler]))
-        ax.hist(engine[engine > 0], bins=bins, histtype="step", color="#1f77b4", lw=1.5, label="|ref - engine|")
-        ax.hist(sampler[sampler > 0], bins=bins, histtype="step", color="#7f7f7f", lw=1.5, label="|ref - sampler|")
-        ax.set_xscale("log")
-        ax.set_title("|d| per token, all adapters", loc="left")
+    rows = summary[summary["sampler_k2"].notna()]
+    names = list(rows["adapter"])
+    fig = Figure(WIDTH, 340, cols=3)
+    x = np.arange(len(names))
+    for ax, metric in zip(fig.axes[0][:2], ("mean_abs_diff", "k2")):
+        ax.y.log = True
+        engine = rows[metric].to_numpy(dtype=np.float64)
+        sampler = rows[f"sampler_{metric}"].to_numpy(dtype=np.float64)
+        floor = _log_floor(np.concatenate([engine, sampler]))
+        ax.bars(x - 0.4, x, np.maximum(engine, floor), "#1f77b4")
+        ax.bars(x, x + 0.4, np.maximum(sampler, floor), "#7f7f7f")
+        ax.x.ticks = (list(x), names)
+        ax.x.limits = (-0.6, max(len(names), 1) - 0.4)
+        ax.slanted_xticks = True
+        ax.title = metric
+    fig.legend = [("engine: ref - engine", "#1f77b4", "box"), ("sampler: ref - sampler", "#7f7f7f", "box")]
+    ax = fig.axes[0][2]
+    ax.x.log = True
+    masked = _masked(tokens, ["d", "sampler_d"])
+    engine = np.abs(masked["d"].astype(np.float64))
+    sampler = np.abs(masked["sampler_d"].astype(np.float64))
+    sampler = sampler[~np.isnan(sampler)]
+    bins = _log_bins(np.concatenate([engine, sampler]))
+    ax.steps(bins, np.histogram(engine[engine > 0], bins=bins)[0], "#1f77b4", label="|ref - engine|")
+    ax.steps(bins, np.histogram(sampler[sampler > 0], bins=bins)[0], "#7f7f7f", label="|ref - sampler|")
+    ax.x.limits = (float(bins[0]), float(bins[-1]))
+    ax.title = "|d| per token, all adapters"
     return fig
 
 
@@ -217,54 +169,51 @@ def _points_with_errors(rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 def mmlu_subject_deltas(subjects: pd.DataFrame) -> Figure:
     """Per subject: adapter accuracy - base accuracy (points) with its 95% interval, one panel per adapter,
     subjects grouped by category."""
-    with styled():
-        rows = subjects[subjects["model"] != "base"]
-        adapters = list(pd.unique(rows["model"]))
-        order = rows[["category", "subject"]].drop_duplicates().sort_values(["category", "subject"])
-        y = {s: i for i, s in enumerate(order["subject"])}
-        categories = list(pd.unique(order["category"]))
-        colors = color_of(categories)
-        n = max(len(adapters), 1)
-        fig, axes = _figure(1.2 + 0.16 * len(y), cols=n, width=max(WIDTH, 3.0 + 3.0 * n), sharey=True, sharex=True)
-        for ax, adapter in zip(axes[0], adapters):
-            part = rows[rows["model"] == adapter]
-            for category in categories:
-                cat = part[part["category"] == category]
-                if cat.empty:
-                    continue
-                delta, err = _points_with_errors(cat)
-                ax.errorbar(delta, [y[s] for s in cat["subject"]], xerr=err, fmt="o", ms=3, lw=1,
-                            color=colors[category], label=category if adapter == adapters[0] else None)
-            ax.axvline(0, color="black", lw=0.6)
-            ax.set_title(f"{adapter} - base", loc="left")
-            ax.set_xlabel("accuracy difference, points (95% interval)")
-        axes[0, 0].set_yticks(list(y.values()), list(y), fontsize=6)
-        axes[0, 0].set_ylim(max(len(y), 1) - 0.5, -0.5)  # no adapter: an empty panel, not a singular axis
-        if categories and adapters:
-            fig.legend(loc="outside upper center", ncols=len(categories), fontsize=7)
+    rows = subjects[subjects["model"] != "base"]
+    adapters = list(pd.unique(rows["model"]))
+    order = rows[["category", "subject"]].drop_duplicates().sort_values(["category", "subject"])
+    y = {s: i for i, s in enumerate(order["subject"])}
+    categories = list(pd.unique(order["category"]))
+    colors = color_of(categories)
+    n = max(len(adapters), 1)
+    fig = Figure(max(WIDTH, 300 + 300 * n), 120 + 16 * len(y), cols=n)
+    for c, (ax, adapter) in enumerate(zip(fig.axes[0], adapters)):
+        part = rows[rows["model"] == adapter]
+        for category in categories:
+            cat = part[part["category"] == category]
+            if cat.empty:
+                continue
+            delta, err = _points_with_errors(cat)
+            ax.errorbars(delta, [y[s] for s in cat["subject"]], delta - err[0], delta + err[1], colors[category])
+        ax.vline(0, "black", width=0.6)
+        ax.title = f"{adapter} - base"
+        ax.xlabel = "accuracy difference, points (95% interval)"
+        ax.show_yticks = c == 0
+    for ax in fig.axes[0]:
+        ax.y.ticks = (list(y.values()), list(y))
+        ax.y.limits = (max(len(y), 1) - 0.5, -0.5)  # the first subject on top; no adapter: an empty panel
+    if categories and adapters:
+        fig.legend = [(category, colors[category], "point") for category in categories]
     return fig
 
 
 def mmlu_group_deltas(summary: pd.DataFrame) -> Figure:
     """Accuracy difference to base (points) per group (micro, macro, categories) with 95% intervals, per adapter."""
-    with styled():
-        rows = summary[(summary["model"] != "base") & summary["delta"].notna()]
-        adapters = list(pd.unique(rows["model"]))
-        groups = list(pd.unique(rows["group"]))
-        colors = color_of(adapters)
-        fig, axes = _figure(0.8 + 0.3 * max(len(groups), 1) * max(len(adapters), 1) ** 0.5)
-        ax = axes[0, 0]
-        step = 0.7 / max(len(adapters), 1)
-        for i, adapter in enumerate(adapters):
-            part = rows[rows["model"] == adapter].set_index("group").reindex(groups)
-            delta, err = _points_with_errors(part)
-            ys = np.arange(len(groups)) + (i - (len(adapters) - 1) / 2) * step
-            ax.errorbar(delta, ys, xerr=err, fmt="o", ms=4, lw=1.2, color=colors[adapter], label=adapter)
-        ax.axvline(0, color="black", lw=0.6)
-        ax.set_yticks(range(len(groups)), groups)
-        ax.set_ylim(max(len(groups), 1) - 0.5, -0.5)
-        ax.set_xlabel("accuracy difference to base, points (95% interval)")
-        ax.set_title("MMLU: adapter - base by group", loc="left")
-        if adapters:
-            ax.legend(loc="best")
+    rows = summary[(summary["model"] != "base") & summary["delta"].notna()]
+    adapters = list(pd.unique(rows["model"]))
+    groups = list(pd.unique(rows["group"]))
+    colors = color_of(adapters)
+    fig = Figure(WIDTH, 80 + 30 * max(len(groups), 1) * max(len(adapters), 1) ** 0.5)
+    ax = fig.axes[0][0]
+    step = 0.7 / max(len(adapters), 1)
+    for i, adapter in enumerate(adapters):
+        part = rows[rows["model"] == adapter].set_index("group").reindex(groups)
+        delta, err = _points_with_errors(part)
+        ys = np.arange(len(groups)) + (i - (len(adapters) - 1) / 2) * step
+        ax.errorbars(delta, ys, delta - err[0], delta + err[1], colors[adapter], label=adapter)
+    ax.vline(0, "black", width=0.6)
+    ax.y.ticks = (list(range(len(groups))), groups)
+    ax.y.limits = (max(len(groups), 1) - 0.5, -0.5)
+    ax.xlabel = "accuracy difference to base, points (95% interval)"
+    ax.title = "MMLU: adapter - base by group"
     return fig

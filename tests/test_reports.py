@@ -4,9 +4,10 @@
    rebuilt on the spot against the committed golden dump, tight thresholds, exit 0, JUnit all green, both adapters
    applied (gates.csv) and far below the bf16 sampler's k2 floor;
 2. the committed golden dump equals what the regenerate command produces now;
-3. report.html: every embedded image decodes as a PNG; the summary cells carry summary.csv's exact numbers;
+3. report.html: every inline figure parses as SVG; the summary cells carry summary.csv's exact numbers;
    report.md shows the same numbers as summary.csv;
-4. `lora-eval report` re-renders html and md byte for byte from the saved files; PNGs are deterministic;
+4. `lora-eval report` re-renders html and md byte for byte from the saved files; a figure is deterministic and
+   draws its histogram's counts;
 5. JUnit: structure and counts, and a failing adapter (a known shift) as failed testcases with its numbers;
 6. worst tokens: the right tokens, token text and context on hand-made data;
 7. MMLU: HTML, JUnit and re-rendering of a small synthetic run written by lora_eval.mmlu;
@@ -16,10 +17,9 @@
 
 from __future__ import annotations
 
-import base64
 import importlib
-import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -48,27 +48,24 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = ROOT / "references"
 ADAPTERS = ("peft-all-linear", "tinker-shared-outer")
 ROWS = ("base", *ADAPTERS, "overall")
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
 
 
 class Page(HTMLParser):
-    """The parts of report.html the tests look at: images, headings, and tables as rows of cells."""
+    """The parts of report.html the tests look at: headings, and tables as rows of cells."""
 
     def __init__(self, text: str):
         super().__init__()
-        self.images, self.h1, self.tables = [], [], []
+        self.h1, self.tables = [], []
         self._cell = self._row = None
         self._in_h1 = False
         self.feed(text)
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if tag == "img":
-            self.images.append(attrs)
-        elif tag == "h1":
+        if tag == "h1":
             self._in_h1 = True
             self.h1.append([attrs.get("class"), ""])
         elif tag == "table":
@@ -113,30 +110,20 @@ def read_summary(path: Path) -> pd.DataFrame:
     return frame.assign(failed=frame["failed"].fillna(""))
 
 
-def decode_pngs(page: Page) -> list:
-    from PIL import Image
-
-    images = []
-    for img in page.images:
-        prefix = "data:image/png;base64,"
-        assert img["src"].startswith(prefix), img["src"][:40]
-        data = base64.b64decode(img["src"][len(prefix):], validate=True)
-        assert data.startswith(PNG_SIGNATURE)
-        image = Image.open(io.BytesIO(data))
-        image.load()  # decodes every pixel; raises on a truncated or corrupt file
-        assert image.size[0] > 200 and image.size[1] > 100, image.size
-        assert img.get("alt"), img
-        images.append(image)
-    return images
-
-
-def png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    chunks, i = [], len(PNG_SIGNATURE)
-    while i < len(data):
-        n = int.from_bytes(data[i:i + 4], "big")
-        chunks.append((data[i + 4:i + 8], data[i + 8:i + 8 + n]))
-        i += 12 + n
-    return chunks
+def figures(text: str, named: bool = True) -> list[ET.Element]:
+    """The page's inline SVG figures, each parsed as XML (raises on a malformed one), with something drawn in a
+    plot area of sensible size and (`named`, as report.html's are) an accessible name."""
+    found = []
+    for svg in re.findall(r"<svg\b.*?</svg>", text, flags=re.S):
+        root = ET.fromstring(svg)
+        assert root.get("role") == "img", root.attrib
+        if named:
+            assert root.get("aria-label") and root.find("{*}title").text == root.get("aria-label"), root.attrib
+        assert float(root.get("width")) > 200 and float(root.get("height")) > 100, root.attrib
+        assert root.findall(".//{*}rect") and root.findall(".//{*}text"), svg[:200]  # (with or without xmlns)
+        found.append(root)
+    assert len(found) == text.count("<svg")
+    return found
 
 
 def parse_junit(text: str) -> tuple[ET.Element, list[dict]]:
@@ -293,14 +280,13 @@ def test_golden_check_refuses_missing_dump(tmp_path):
 # ---- 3. report.html and report.md against summary.csv ----------------------------------------------------
 
 
-def test_html_images_decode_and_summary_numbers_are_exact(regression):
+def test_html_figures_parse_and_summary_numbers_are_exact(regression):
     out, _ = regression
     run = out / "run"
     text = (run / "report.html").read_text(encoding="utf-8")
     assert "<script" not in text and "http://" not in text and "https://" not in text  # self-contained
     page = Page(text)
-    images = decode_pngs(page)
-    assert len(images) == 4  # noise floor, |d| histogram, d by position, k2 per sample
+    assert len(figures(text)) == 4  # noise floor, |d| histogram, d by position, k2 per sample
     assert page.h1 == [["pass", "lora-eval compare: PASSED"]]
 
     summary = read_summary(run / "summary.csv")
@@ -396,20 +382,29 @@ def test_report_command_bad_input(tmp_path):
                        "not a readable Parquet file")
 
 
-def test_png_is_deterministic_and_carries_no_metadata(seed):
+def test_histogram_figure_is_deterministic_and_draws_the_counts(seed):
     rng = np.random.default_rng(seed)
     n = 400
     tokens = pd.DataFrame(dict(adapter=rng.choice(["base", "a", "b"], n), sample_id=rng.choice(list("pqrs"), n),
                                position=rng.integers(0, 30, n), d=rng.normal(0, 1e-3, n), mask=rng.random(n) < 0.8))
-    first = plots.png(plots.abs_diff_histogram(tokens))
-    assert plots.png(plots.abs_diff_histogram(tokens)) == first
-    kinds = [kind for kind, _ in png_chunks(first)]
-    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
-    assert b"tIME" not in kinds
-    text = b"".join(body for kind, body in png_chunks(first) if kind in (b"tEXt", b"iTXt", b"zTXt"))
-    assert b"Software" not in text and b"matplotlib" not in text.lower()
-    other = plots.png(plots.abs_diff_histogram(tokens.assign(d=tokens["d"] * 10)))
-    assert other != first  # different data, different picture
+    first = plots.abs_diff_histogram(tokens).svg()
+    assert plots.abs_diff_histogram(tokens).svg() == first
+    assert plots.abs_diff_histogram(tokens.assign(d=tokens["d"] * 10)).svg() != first  # other data, other picture
+    root = ET.fromstring(first)
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    # every panel's bars stand on one baseline, their heights in proportion to np.histogram's counts
+    kept = tokens[tokens["mask"]]
+    bars = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("fill-opacity") == "0.8"]
+    heights = np.array([float(r.get("height")) for r in bars])
+    d = np.abs(kept["d"].to_numpy())
+    bins = np.logspace(math.floor(math.log10(d.min())), math.ceil(math.log10(d.max())), 1 + 5 * (
+        math.ceil(math.log10(d.max())) - math.floor(math.log10(d.min()))))
+    panels = [np.histogram(np.abs(kept.loc[kept["adapter"] == a, "d"]), bins)[0] for a in pd.unique(kept["adapter"])]
+    assert len(bars) == sum((c > 0).sum() for c in panels) and len(bars) > 5
+    for counts in panels:  # (each panel its own y scale; the bars in the panels' order)
+        drawn, heights = heights[:(counts > 0).sum()], heights[(counts > 0).sum():]
+        scale = drawn.max() / counts.max()  # px per token
+        assert np.abs(drawn - counts[counts > 0] * scale).max() <= 0.11, (drawn, counts)  # coordinates in 0.1 px
 
 
 # ---- 5. JUnit with a failing adapter ---------------------------------------------------------------------
@@ -452,7 +447,7 @@ def test_junit_marks_the_failing_adapter_with_its_numbers(shifted_run):
     assert marked == set(summary.index[~summary["passed"]])
     for cells, passed in zip(shown["passed"], summary["passed"]):
         assert cells["text"] == ("PASS" if passed else "FAIL") and cells["class"] == cells["text"]
-    decode_pngs(page)
+    figures((root / "run" / "report.html").read_text(encoding="utf-8"))
 
 
 def test_junit_without_thresholds_lists_every_row(regression):
@@ -637,7 +632,7 @@ def test_mmlu_html_junit_and_rerendering(tmp_path, seed):
         assert got.exit_code == 0, (got.stderr, got.exception)
         assert got.stdout_bytes == (tmp_path / "mmlu" / name).read_bytes(), name
     page = Page(original.decode("utf-8"))
-    assert len(decode_pngs(page)) == 2  # by group, per subject
+    assert len(figures(original.decode("utf-8"))) == 2  # by group, per subject
     assert page.h1[0][0] == "fail" and page.h1[0][1].startswith("lora-eval mmlu: FAILED: bad (")
     shown, classes = table_frame(page.tables[0])
     assert [c == "fail" for c in classes] == list(summary["model"] == "bad")
@@ -695,10 +690,10 @@ def test_example_notebook_executes(tmp_path, monkeypatch):
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
-    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    images = [o for o in outputs if "image/svg+xml" in o.get("data", {})]
     assert len(images) == 3
     for image in images:
-        assert base64.b64decode(image["data"]["image/png"]).startswith(PNG_SIGNATURE)
+        assert len(figures(image["data"]["image/svg+xml"], named=False)) == 1
     tables = [o for o in outputs if "text/html" in o.get("data", {})]
     assert len(tables) >= 4
     assert any("passed: True" in o.get("text", "") for o in outputs)
