@@ -1,9 +1,9 @@
 """`lora-eval mmlu`: MMLU accuracy of the base model and of every adapter in one pass, with paired deltas.
 
-A thin layer over `Engine.next_token_logprobs`: read the questions (mmlu_data.py) and build the prompts
-(mmlu_prompts.py) before any model is loaded, score the four answer letters of every question under the base
-model and each adapter in mixed batches (the batches are the resumable units of a run folder), and build the
-tables (mmlu_stats.py).
+A thin layer over `Engine.next_token_logprobs`: read the questions (mmlu_data.py) before any model is loaded,
+tokenise the prompts (mmlu_prompts.py; loading onto a GPU, in a child process beside the model's load:
+mmlu_tokenize.py), score the four answer letters of every question under the base model and each adapter in mixed
+batches (the batches are the resumable units of a run folder), and build the tables (mmlu_stats.py).
 
 Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): a subject's prompts all begin
 with its header and k-shot examples, so that part is computed once per (subject, adapter) and each question runs only
@@ -28,16 +28,16 @@ from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .mmlu_data import LETTERS, check_shots, read_split, select
-from .mmlu_prompts import answer_tokens, tokenize_prompts
+from .mmlu_prompts import Tokenized, tokenize
 from .mmlu_stats import question_table, subject_table, summary_table
+from .mmlu_tokenize import TokenizeBeside
 from .names import BASE
 from .plan import check_fits
 from .prefixes import common_length, grouped_order, prefix_bytes_per_token
 from .report import report_files
 from .results import MmluResult, Phases, read_run, table_files
 from .runners.compile_clock import COMPILE_CLOCK
-from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
-from .tokenizer import load_tokenizer
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, holds_this_run, now, versions
 
 BATCH_TOKENS = 16384
 
@@ -63,6 +63,23 @@ def subject_prefixes(questions: pd.DataFrame, used: list[int], ids: list[list[in
         for q in rows:
             shared[q] = max(n, 0)
     return groups, shared
+
+
+def tokenizes_beside(engine: Engine | None, options: EngineOptions) -> bool:
+    """Whether the tokenizer's load and the prompts go to a child process beside the model's load
+    (mmlu_tokenize.py): where a model is loaded here onto a GPU. On the CPU the load is short, and the child's start
+    (~2 s of imports) would only compete with it for the cores."""
+    return engine is None and options.device != "cpu"
+
+
+def checked_tokens(tokens: Tokenized, vocab_size: int, model: str | Path) -> Tokenized:
+    """`tokens`, once every id is inside the model's vocabulary (else the tokenizer belongs to another model)."""
+    largest = max([*tokens.candidates, *(max(row) for row in tokens.ids if row)])
+    if largest >= vocab_size:
+        raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the model's "
+                         f"vocabulary ({vocab_size}): the tokenizer in the model folder does not belong to this model",
+                         key="vocab_size")
+    return tokens
 
 
 def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data: str | Path | None = None, *,
@@ -105,26 +122,23 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 files += dev_files
                 dev = check_shots(dev, questions, shots, layout, data)
 
-        with phases("load"):  # the tokenizer
+        with phases("load"):  # the model's config (its tokenizer comes with the prompts)
             config, args = model_config(model)
             max_len = config.get("max_position_embeddings")
             if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
                 raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
                                  key="max_position_embeddings")
-            tokenizer = load_tokenizer(model, needed_for="mmlu")
         # the inputs are hashed while the prompts are tokenised, not beside transformers' import (which holds the
         # GIL): there, MMLU's load phase took ~1.5 s longer on an H100 (BENCHMARKS-history section 13)
         data_root = Path(data)
         digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
                                                  for path in sorted(set(files))})  # (result() below)
-        with phases("tokenize"):
-            candidates = answer_tokens(tokenizer, model)
-            ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
-            largest = max([*candidates, *(max(row) for row in ids if row)])
-            if largest >= args.vocab_size:
-                raise InputError(Path(model) / "config.json", f"the tokenizer makes token id {largest}, outside the "
-                                 f"model's vocabulary ({args.vocab_size}): the tokenizer in the model folder does not "
-                                 "belong to this model", key="vocab_size")
+        tokenizing = TokenizeBeside(model, questions, dev, shots, max_len) if tokenizes_beside(engine, options) \
+            else None
+        tokens = None
+        if tokenizing is None:
+            with phases("tokenize"):
+                tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
         with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
             if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
                 check_fits(model, adapters, options.device, options.dtype, batch_tokens,
@@ -134,15 +148,36 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             parsed = None if engine is not None else read_adapters(model, adapters, options)
         models = [BASE, *adapters]
         tags = [None, *adapters]
-        rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
-        rows_tags = tags * len(ids)
-        lengths = [len(row) for row in rows_ids]
         use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
         if options.prefix_cache and options.expert_parallel:
             notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
                    "full prompts run")
-        with phases("tokenize"):  # (the shared prefixes and batches, from the token ids)
-            if use_prefixes:
+        task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
+                            max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
+                            engine="given" if engine is not None else "loaded")
+        with phases("data"):  # the inputs' fingerprints (the data files whole, the weights sampled), hashed meanwhile
+            inputs = digests.result()
+            package_versions = versions("datasets", "tokenizers")
+    run_fingerprint = fingerprint("mmlu", inputs, task_options, package_versions)
+    if tokenizing is not None:
+        with tokenizing:  # (the child is stopped on the way out, whatever happens)
+            if not holds_this_run(out, run_fingerprint, overwrite):  # (else handed back as saved: nothing to load)
+                with phases("load"):  # the model's weights, beside the child
+                    engine = Engine.load(model, parsed, options)
+                with together(ranks), phases("tokenize"):  # what of the child's work the load did not hide
+                    tokens = checked_tokens(tokenizing.result(), args.vocab_size, model)
+    with RunFolder(out, "mmlu", run_fingerprint, dict(arguments=arguments), overwrite=overwrite, notice=notice,
+                   ranks=ranks) as folder:
+        if folder.stored is not None:
+            return read_run(out)
+        with phases("tokenize"):
+            if tokens is None:  # (the complete run seen above was removed since: tokenised here after all)
+                tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
+            ids, used, candidates = tokens.ids, tokens.used, tokens.candidates
+            rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
+            rows_tags = tags * len(ids)
+            lengths = [len(row) for row in rows_ids]
+            if use_prefixes:  # (the shared prefixes and batches, from the token ids)
                 groups, shared = subject_prefixes(questions, used, ids)
                 rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
                 suffix = [n - p for n, p in zip(lengths, rows_prefix)]
@@ -154,17 +189,6 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             else:
                 rows_prefix, suffix = None, lengths
                 batches = make_batches(lengths, batch_tokens)
-
-        task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
-                            max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
-                            engine="given" if engine is not None else "loaded")
-        with phases("data"):  # the inputs' fingerprints (the data files whole, the weights sampled), hashed meanwhile
-            inputs = digests.result()
-            package_versions = versions("datasets", "tokenizers")
-    with RunFolder(out, "mmlu", fingerprint("mmlu", inputs, task_options, package_versions),
-                   dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:
-        if folder.stored is not None:
-            return read_run(out)
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
 
@@ -217,9 +241,10 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 rows_per_s=work.stats()["computed"] / computed_s,
                 prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
                              tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=max_len,
-                             with_fewer_shots=int(sum(u < shots for u in used))),
-                answer_tokens={x: dict(id=t, token=tokenizer.convert_ids_to_tokens(t))
-                               for x, t in zip(LETTERS, candidates)},
+                             with_fewer_shots=int(sum(u < shots for u in used)),
+                             tokenized_beside_load_s=None if tokenizing is None else tokenizing.seconds),
+                answer_tokens={x: dict(id=t, token=name)
+                               for x, t, name in zip(LETTERS, candidates, tokens.candidate_tokens)},
                 data=dict(layout=layout, path=str(data), files=len(set(files))),
                 quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
             result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)

@@ -18,10 +18,14 @@ one token is refused (UnsupportedError): lora-eval scores exactly one token per 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import pandas as pd
 
 from .errors import InputError, UnsupportedError
 from .mmlu_data import LETTERS
+from .tokenizer import load_tokenizer
 
 
 def subject_header(subject: str) -> str:
@@ -105,3 +109,22 @@ def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | Non
     finally:
         hf_logging.set_verbosity(verbosity)
     return ids, used
+
+
+@dataclass
+class Tokenized:
+    """Every question's prompt as token ids, the shots each kept, and the answer letters' token ids and names."""
+    ids: list[list[int]]
+    used: list[int]
+    candidates: list[int]
+    candidate_tokens: list[str]
+
+
+def tokenize(model: str | Path, questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int,
+             max_len: int | None) -> Tokenized:
+    """The model folder's tokenizer loaded, the answer letters' tokens found and every prompt tokenised."""
+    tokenizer = load_tokenizer(model, needed_for="mmlu")
+    candidates = answer_tokens(tokenizer, model)
+    ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
+    return Tokenized(ids=ids, used=used, candidates=candidates,
+                     candidate_tokens=[tokenizer.convert_ids_to_tokens(t) for t in candidates])

@@ -530,6 +530,18 @@ class RunFolder:
             f"finished parts are kept in {self.staging}; run the same command again to resume"
 
 
+def holds_this_run(out: Path | None, fingerprint: dict, overwrite: bool) -> bool:
+    """Whether `out` holds a complete run of exactly this fingerprint, which RunFolder will hand back as `stored`
+    (read without the lock): a task that would load a model before entering its RunFolder asks this first."""
+    if out is None or overwrite or not (out / "run.json").is_file():
+        return False
+    try:
+        record = read_record(out)
+    except InputError:
+        return False
+    return not differences(record.get("fingerprint") or {}, fingerprint)
+
+
 def read_record(folder: Path, required: bool = True) -> dict | None:
     """A run folder's run.json as a dict (None when absent and not `required`)."""
     path = folder / "run.json"

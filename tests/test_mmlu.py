@@ -18,6 +18,8 @@ Seeds are fresh every run (the `seed` / `session_seed` fixtures print them).
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import math
 import os
@@ -37,7 +39,8 @@ from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
 from lora_eval.mmlu import subject_prefixes
 from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
-from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize_prompts
+from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize, tokenize_prompts
+from lora_eval.mmlu_tokenize import TokenizeBeside
 from lora_eval.mmlu_stats import paired_delta, passes
 from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
 from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
@@ -47,9 +50,10 @@ from tests.cli_checks import assert_input_error, assert_no_traceback, assert_pha
 from tests.conftest import CPU, MOE_OVERRIDES
 from tests.test_distributed import finish, torchrun
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
-if not DATA.is_dir():
-    DATA = Path("/work/shared/data/mmlu")
+ROOT = Path(__file__).resolve().parents[1]
+# the release beside the checkout, or where the GPU machine's calls carry it (the benchmarks' default folder)
+DATA = next((p for p in (ROOT.parent / "shared" / "data" / "mmlu", Path("/work/shared/data/mmlu"), ROOT / ".mmlu-data")
+             if p.is_dir()), ROOT.parent / "shared" / "data" / "mmlu")
 pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="the MMLU release is not in ../shared/data/mmlu")
 
 TEST_QUESTIONS, DEV_QUESTIONS, VAL_QUESTIONS = 14_042, 285, 1_531  # the published split sizes
@@ -57,6 +61,7 @@ ORACLE_TOL = 1e-5  # our float32 engine vs transformers float32
 # one subject per category, short dev examples; the first RIG_LIMIT questions of each
 RIG_SUBJECTS = ["abstract_algebra", "global_facts", "high_school_geography", "philosophy"]
 RIG_LIMIT = 8
+mmlu_task = importlib.import_module("lora_eval.mmlu")  # the module (lora_eval.mmlu is also the function)
 
 
 # ---- builders ----------------------------------------------------------------------------------------
@@ -434,6 +439,42 @@ def test_subject_prefixes_are_the_groups_longest_common_runs(real, bpe, seed):
     assert len({(g, n) for g, n in zip(groups, shared)}) == len(set(groups)) and 0 < min(shared)
 
 
+def test_tokenizing_beside_gives_what_tokenizing_here_gives(real, bpe_dir, bpe, tmp_path):
+    """The child process (mmlu_tokenize.TokenizeBeside) hands back exactly mmlu_prompts.tokenize's ids, shots kept
+    and answer tokens, here with some prompts cut to fewer shots; its input errors come back as the same errors."""
+    questions = select(real["test"][2], ["high_school_geography", "abstract_algebra", "virology"], 12, DATA, "test")
+    dev = real["dev"][2]
+    max_len = int(np.median([len(ids) for ids in bpe(prompts(questions, dev, 5))["input_ids"]]))
+    here = tokenize(bpe_dir, questions, dev, 5, max_len)
+    assert 0 < sum(u < 5 for u in here.used) < len(here.used)  # some prompts dropped shots
+    with TokenizeBeside(bpe_dir, questions, dev, 5, max_len) as child:
+        beside = child.result()
+    assert beside == here and child.seconds > 0
+    assert not child.dir.exists()  # its folder is gone once read
+    shortest = min(len(ids) for ids in tokenize(bpe_dir, questions, None, 0, None).ids)
+    for model, limit, error in ((bpe_dir, shortest - 1, InputError), (tmp_path, None, InputError)):
+        with pytest.raises(error) as expected:
+            tokenize(model, questions, dev, 5, limit)
+        with TokenizeBeside(model, questions, dev, 5, limit) as child, pytest.raises(error) as got:
+            child.result()
+        assert type(got.value) is type(expected.value) and str(got.value) == str(expected.value)
+
+
+def test_tokenizing_beside_reports_a_crash_and_stops_when_cancelled(real, bpe_dir):
+    questions = select(real["test"][2], ["virology"], 4, DATA, "test")
+    with TokenizeBeside(bpe_dir, questions.drop(columns="question"), None, 0, None) as child:
+        with pytest.raises(RuntimeError, match="(?s)child process failed.*KeyError: 'question'"):
+            child.result()  # not an input error: the child's traceback, for exit code 3
+    child = TokenizeBeside(bpe_dir, questions, None, 0, None)
+    child.cancel()
+    assert child.process.poll() is not None and not child.dir.exists()
+    child = TokenizeBeside(bpe_dir, questions, None, 0, None)  # dropped on an error's way out, never waited for
+    process, folder = child.process, child.dir
+    del child
+    gc.collect()
+    assert process.poll() is not None and not folder.exists()
+
+
 # ---- 4. a rigged model -------------------------------------------------------------------------------
 
 
@@ -585,6 +626,34 @@ def test_paired_delta_by_hand():
     mean, se = paired_delta(d)
     assert mean == 3 / 8 and se == pytest.approx(math.sqrt(squares / 7 / 8), rel=1e-12)
     assert math.isnan(paired_delta(np.array([1.0]))[1]) and paired_delta(np.zeros(5)) == (0.0, 0.0)
+
+
+def test_the_prompts_tokenised_beside_the_load_give_the_same_run(rigged, tmp_path, monkeypatch):
+    """With the prompts tokenised in the child process beside the model's load (what a GPU run does), the run's
+    tables are byte for byte those of the run that tokenised them first; a complete run is then handed back
+    without loading the model."""
+    args = ["--model", rigged["model"], "--adapter", f"flip={rigged['adapters']['flip']}", "--data", DATA,
+            "--subjects", ",".join(RIG_SUBJECTS), "--limit", RIG_LIMIT, "--shots", 2, "--quiet"]
+    here = run_cli("mmlu", *args, "--out", tmp_path / "here")
+    assert here.exit_code == 0, (here.stdout, here.stderr)
+    monkeypatch.setattr(mmlu_task, "tokenizes_beside", lambda engine, options: engine is None)
+    beside = run_cli("mmlu", *args, "--out", tmp_path / "beside")
+    assert_no_traceback(beside)
+    assert beside.exit_code == 0, (beside.stdout, beside.stderr)
+    for name in ("mmlu_questions.parquet", "mmlu_subjects.csv", "mmlu_summary.csv"):
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "beside" / name).read_bytes(), name
+    prompts_here = json.loads((tmp_path / "here" / "run.json").read_text())["prompts"]
+    prompts_beside = json.loads((tmp_path / "beside" / "run.json").read_text())["prompts"]
+    assert prompts_here.pop("tokenized_beside_load_s") is None and prompts_beside.pop("tokenized_beside_load_s") > 0
+    assert prompts_here == prompts_beside
+    assert_phases(beside, tmp_path / "beside", ["data", "tokenize", "load", "compile", "forward", "metrics", "write"])
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded for a run the folder holds complete")
+
+    monkeypatch.setattr(Engine, "load", no_load)
+    again = run_cli("mmlu", *args, "--out", tmp_path / "beside")
+    assert again.exit_code == 0 and "holds this run already" in again.stdout + again.stderr, again.stderr
 
 
 # ---- 5. bad data -------------------------------------------------------------------------------------
@@ -747,3 +816,22 @@ def test_next_token_logprobs_cuda(moe_model, engine_adapters, seed):
     cuda = Engine.load(moe_model, engine_adapters, replace(CPU, device="cuda"))
     cuda = cuda.next_token_logprobs(Batch(sequences, tags), [1, 2, 3, 4])
     assert (ref - cuda).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_prompts_tokenised_beside_the_load_on_the_gpu(rigged, tmp_path, monkeypatch):
+    """On the GPU the prompts are tokenised in the child process beside the model's load (tokenizes_beside): the
+    tables equal, byte for byte, those of a run that tokenised them first in its own process."""
+    args = ["--model", rigged["model"], "--adapter", f"flip={rigged['adapters']['flip']}", "--data", DATA,
+            "--subjects", ",".join(RIG_SUBJECTS), "--limit", RIG_LIMIT, "--device", "cuda", "--dtype", "float32",
+            "--quiet"]
+    beside = run_cli("mmlu", *args, "--out", tmp_path / "beside")
+    assert beside.exit_code == 0, (beside.stdout, beside.stderr)
+    assert json.loads((tmp_path / "beside" / "run.json").read_text())["prompts"]["tokenized_beside_load_s"] > 0
+    monkeypatch.setattr(mmlu_task, "tokenizes_beside", lambda engine, options: False)
+    here = run_cli("mmlu", *args, "--out", tmp_path / "here")
+    assert here.exit_code == 0, (here.stdout, here.stderr)
+    assert json.loads((tmp_path / "here" / "run.json").read_text())["prompts"]["tokenized_beside_load_s"] is None
+    for name in ("mmlu_questions.parquet", "mmlu_subjects.csv", "mmlu_summary.csv"):
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "beside" / name).read_bytes(), name
