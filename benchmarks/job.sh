@@ -6,7 +6,8 @@
 #   lora-eval compare   the reference, default batch size
 #   lora-eval mmlu      the full 5-shot test split (MMLU: the release, default .mmlu-data)
 #   lora-eval bench     the same model built in memory, 4 x 1024 (the forward's yardstick)
-# and with JOB_MEMORY=1 the 48-layer MMLU on a model built in memory (benchmarks/mmlu_gpu.py), with 1 and 4 adapters.
+# and with JOB_MEMORY=1 the 48-layer MMLU on a model built in memory (benchmarks/mmlu_gpu.py), with 1 and 4 adapters;
+# JOB_PROBE=0 leaves out the load probe below.
 # Prints issue #24's ratios (job_summary.txt): compare's forward against bench's tokens/s, metrics + write against
 # the forward, load GB/s from the page cache, the warm command against 1.3 x (load + forward) + 3 s, MMLU's command.
 # Results: $OUT/job.tgz (run records, logs, the summary; one file, as the device tool returns at most 8).
@@ -40,6 +41,7 @@ timed() {  # $1: log name; the rest: the command. Appends "<log> <seconds> <rc>"
 # split into its parts (the adapter read and checked, the weights, the adapters stacked on the device: compare's load
 # phase is these), and the raw rates beneath: a safetensors tensor per copy to the device (what the loader does), the
 # files read into one pinned buffer, and that buffer to the device
+if [ "${JOB_PROBE:-1}" != 0 ]; then  # (JOB_PROBE=0: the commands alone)
 timed load_probe python3 - "$WORK/model" "$WORK/peft/adapter" ${DEVICE_ARGS:+cpu} <<'PY'
 import sys, time
 from pathlib import Path
@@ -80,6 +82,7 @@ rate("files read into one pinned buffer", read_pinned)
 rate("pinned buffer to the device, once per file", lambda: [pinned[:f.stat().st_size].to(device, non_blocking=True)
                                                            for f in files])
 PY
+fi
 MODEL=(--model "$WORK/model" --adapter "adapter=$WORK/peft/adapter")
 LIMIT=(); [ -n "${MMLU_LIMIT:-}" ] && LIMIT=(--limit "$MMLU_LIMIT")
 for run in cold warm; do
