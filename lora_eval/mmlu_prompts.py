@@ -18,7 +18,6 @@ one token is refused (UnsupportedError): lora-eval scores exactly one token per 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,15 +86,18 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts)["input_ids"]
 
 
-def _fitted(tokenizer, records: list[dict], prefixes: dict[str, list[str]], shots: int, max_len: int | None,
-            ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """`ids` of the `shots`-shot prompts, and the shots each kept: one longer than `max_len` is encoded again with a
-    shot fewer until it fits."""
+def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int,
+                     max_len: int | None) -> tuple[list[list[int]], list[int]]:
+    """Token ids of every question's prompt (with the tokenizer's special tokens, e.g. BOS) and the shots it
+    kept: a prompt longer than `max_len` drops shots from the end until it fits."""
+    prefixes = prompt_prefixes(questions, dev, shots)
+    records = questions.to_dict("records")
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "sequence longer than the model maximum": checked here
     try:
+        ids = encode(tokenizer, _prompts(records, prefixes, shots))  # (records and prefixes made once)
         used = [shots] * len(ids)
         for i, q in enumerate(records):
             while max_len is not None and len(ids[i]) > max_len:
@@ -120,38 +122,9 @@ class Tokenized:
 
 def tokenize(model: str | Path, questions: pd.DataFrame, dev: pd.DataFrame | None, shots: int,
              max_len: int | None) -> Tokenized:
-    """The model folder's tokenizer loaded, the answer letters' tokens found and every prompt tokenised.
-
-    Loading transformers' tokenizer is mostly imports (transformers, and torch through its config module: ~2-4 s in
-    a fresh process). Meanwhile a thread encodes the prompts with the folder's tokenizer.json read by the
-    `tokenizers` library alone (its Rust encoding does not hold the GIL). Those ids are kept only where transformers'
-    tokenizer turns out to run that very pipeline (its `tokenizers` object serialises to the same JSON: normaliser,
-    pre-tokeniser, model, post-processor, added tokens); otherwise the prompts are encoded again through it. A
-    prompt longer than `max_len` drops shots from the end until it fits."""
-    prefixes = prompt_prefixes(questions, dev, shots)
-    records = questions.to_dict("records")
-    texts = _prompts(records, prefixes, shots)
-    early = _file_tokenizer(model)
-    with ThreadPoolExecutor(1) as pool:
-        encoding = pool.submit(early.encode_batch_fast, texts) if early is not None else None
-        tokenizer = load_tokenizer(model, needed_for="mmlu")
-        candidates = answer_tokens(tokenizer, model)
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        same = encoding is not None and backend is not None and backend.to_str() == early.to_str()
-        ids = [e.ids for e in encoding.result()] if same else encode(tokenizer, texts)
-    ids, used = _fitted(tokenizer, records, prefixes, shots, max_len, ids)
+    """The model folder's tokenizer loaded, the answer letters' tokens found and every prompt tokenised."""
+    tokenizer = load_tokenizer(model, needed_for="mmlu")
+    candidates = answer_tokens(tokenizer, model)
+    ids, used = tokenize_prompts(tokenizer, questions, dev, shots, max_len)
     return Tokenized(ids=ids, used=used, candidates=candidates,
                      candidate_tokens=[tokenizer.convert_ids_to_tokens(t) for t in candidates])
-
-
-def _file_tokenizer(model: str | Path):
-    """The model folder's tokenizer.json as a `tokenizers.Tokenizer`, or None (no such file, or unreadable)."""
-    path = Path(model) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception:  # noqa: BLE001 - tokenizers raises its own exception type; transformers' load then decides
-        return None

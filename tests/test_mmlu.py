@@ -39,8 +39,7 @@ from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
 from lora_eval.mmlu import subject_prefixes
 from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
-from lora_eval import mmlu_prompts
-from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize
+from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize, tokenize_prompts
 from lora_eval.mmlu_tokenize import TokenizeBeside
 from lora_eval.mmlu_stats import paired_delta, passes
 from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
@@ -326,7 +325,7 @@ def bpe(bpe_dir):
 
 
 @pytest.mark.parametrize("layout", ["csv", "parquet", "save_to_disk"])
-def test_known_prompt_byte_for_byte(real, bpe_dir, bpe, tmp_path, layout):
+def test_known_prompt_byte_for_byte(real, bpe, tmp_path, layout):
     root = DATA
     if layout != "csv":
         splits = {s: select(real[s][2], ["abstract_algebra"], None, DATA, s) for s in ("dev", "test")}
@@ -334,8 +333,8 @@ def test_known_prompt_byte_for_byte(real, bpe_dir, bpe, tmp_path, layout):
     questions = select(read_split(root, "test")[2], ["abstract_algebra"], 1, root, "test")
     dev = read_split(root, "dev")[2]
     assert prompts(questions, dev, 5) == [ABSTRACT_ALGEBRA_0]
-    tokens = tokenize(bpe_dir, questions, dev, 5, None)
-    assert tokens.ids == [bpe(ABSTRACT_ALGEBRA_0)["input_ids"]] and tokens.used == [5]
+    ids, used = tokenize_prompts(bpe, questions, dev, 5, None)
+    assert ids == [bpe(ABSTRACT_ALGEBRA_0)["input_ids"]] and used == [5]
 
 
 def test_prompts_equal_lm_evaluation_harness(real):
@@ -402,49 +401,28 @@ def test_answer_tokens_follow_answer_colon(bpe, tmp_path):
         answer_tokens(load_tokenizer(tmp_path, needed_for="mmlu"), tmp_path)
 
 
-def test_shots_are_dropped_until_the_prompt_fits(real, bpe_dir, bpe):
+def test_shots_are_dropped_until_the_prompt_fits(real, bpe):
     questions = select(real["test"][2], ["high_school_geography"], 40, DATA, "test")
     dev = real["dev"][2]
     lengths = np.array([[len(ids) for ids in bpe(prompts(questions, dev, k))["input_ids"]] for k in range(6)]).T
     max_len = int(np.median(lengths[:, 5]))  # about half the 5-shot prompts are too long
-    tokens = tokenize(bpe_dir, questions, dev, 5, max_len)
-    ids, used = tokens.ids, tokens.used
+    ids, used = tokenize_prompts(bpe, questions, dev, 5, max_len)
     expected = [max(k for k in range(6) if row[k] <= max_len) for row in lengths]
     assert used == expected and 0 < sum(u < 5 for u in used) < len(used)
     for i, k in enumerate(used):
         assert ids[i] == bpe(prompts(questions.iloc[[i]], dev, k)[0])["input_ids"] and len(ids[i]) <= max_len
     with pytest.raises(InputError, match=r"high_school_geography_test.csv: row \d+: the prompt is \d+ tokens even "
                                          r"without shots"):
-        tokenize(bpe_dir, questions, dev, 5, int(lengths[:, 0].min()) - 1)
+        tokenize_prompts(bpe, questions, dev, 5, int(lengths[:, 0].min()) - 1)
 
 
-def test_prompts_encoded_while_the_tokenizer_loads_are_transformers_ids(real, bpe_dir, bpe, tmp_path, monkeypatch):
-    """tokenize encodes the prompts with tokenizer.json's own `tokenizers` object while transformers loads the
-    tokenizer, and keeps those ids where transformers' tokenizer runs that same pipeline; where it does not (here a
-    tokenizer.json of another pipeline), the prompts are encoded through transformers' tokenizer again."""
-    questions = select(real["test"][2], ["anatomy", "sociology"], 10, DATA, "test")
-    dev = real["dev"][2]
-    expected = bpe(prompts(questions, dev, 5))["input_ids"]
-    calls = []
-    monkeypatch.setattr(mmlu_prompts, "encode", lambda tokenizer, texts: calls.append(len(texts)) or
-                        [list(ids) for ids in tokenizer(texts)["input_ids"]])
-    assert tokenize(bpe_dir, questions, dev, 5, None).ids == expected and calls == []  # the early ids kept
-    other = tmp_path / "other"
-    bytes_tokenizer(other)
-    from tokenizers import Tokenizer
-
-    monkeypatch.setattr(mmlu_prompts, "_file_tokenizer", lambda model: Tokenizer.from_file(str(other /
-                                                                                            "tokenizer.json")))
-    assert tokenize(bpe_dir, questions, dev, 5, None).ids == expected and calls == [len(expected)]  # encoded again
-
-
-def test_subject_prefixes_are_the_groups_longest_common_runs(real, bpe_dir, bpe, seed):
+def test_subject_prefixes_are_the_groups_longest_common_runs(real, bpe, seed):
     """subject_prefixes gives each question the longest run of leading ids that every prompt of its (subject, shots
     kept) group shares, short of each prompt's last token: checked against every pair counted one token at a time,
     with rows edited inside the shared part (at random places) so that a group's run shrinks after its first rows."""
     rng = np.random.default_rng(seed)
     questions = select(real["test"][2], ["anatomy", "virology", "sociology"], 12, DATA, "test")
-    ids = tokenize(bpe_dir, questions, real["dev"][2], 5, None).ids
+    ids, _ = tokenize_prompts(bpe, questions, real["dev"][2], 5, None)
     used = [int(u) for u in rng.integers(4, 6, len(ids))]  # two groups per subject
     for q in rng.choice(len(ids), 4, replace=False):  # a token changed inside the shared part
         at = int(rng.integers(1, 200))
