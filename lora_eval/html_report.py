@@ -26,7 +26,8 @@ th, td { border: 1px solid #d0d7de; padding: 0.25em 0.6em; text-align: right; wh
 th { background: #f6f8fa; } td.text { text-align: left; white-space: pre-wrap; font-family: monospace; }
 tr.fail td { background: #ffebe9; } td.PASS { color: #1a7f37; font-weight: bold; }
 td.FAIL { color: #cf222e; font-weight: bold; } mark { background: #ffd8a8; } .ctx { color: #57606a; }
-svg { max-width: 100%; height: auto; display: block; margin: 0.5em 0 1.5em 0; } code { background: #f6f8fa; padding: 0 0.2em; }
+svg { max-width: 100%; height: auto; display: block; margin: 0.5em 0 1.5em 0; }
+code { background: #f6f8fa; padding: 0 0.2em; }
 p.note { color: #57606a; font-size: 0.9em; }
 """
 

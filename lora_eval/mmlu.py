@@ -128,8 +128,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
                 raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
                                  key="max_position_embeddings")
-        # the inputs are hashed while the prompts are tokenised, not beside transformers' import (which holds the
-        # GIL): there, MMLU's load phase took ~1.5 s longer on an H100 (BENCHMARKS-history section 13)
+        # the inputs are hashed on a thread meanwhile; loading onto a GPU, transformers' import (which holds the GIL:
+        # beside it MMLU's load phase took ~1.5 s longer on an H100, BENCHMARKS-history section 13) is the child's
         data_root = Path(data)
         digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
                                                  for path in sorted(set(files))})  # (result() below)
