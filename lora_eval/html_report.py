@@ -126,7 +126,7 @@ def compare_html(result) -> str:
                  "<p>The sampler columns compare the reference with the logprobs the original sampler reported "
                  "(<code>ref - sampler</code>): the mismatch a serving stack already lives with.</p>",
                  html_table(floor), html_figure(plots.noise_floor(summary, tokens),
-                                               "engine and sampler mismatch per adapter")]
+                                                "engine and sampler mismatch per adapter")]
     body += ["<h2>|d| per token</h2>",
              html_figure(plots.abs_diff_histogram(tokens), "histogram of |d| per adapter"),
              "<h2>d by position</h2>", html_figure(plots.diff_by_position(tokens), "d by position"),

@@ -1,4 +1,5 @@
-"""`lora-eval mmlu` on the real MMLU release (../shared/data/mmlu) with tiny random models and tokenizers.
+"""`lora-eval mmlu` on the real MMLU release (../shared/data/mmlu; on the GPU machine the copy its calls carry,
+.mmlu-data) with tiny random models and tokenizers.
 
 1. the reader: every CSV of every split equals an independent pandas read (strings kept as written, e.g.
    "None" and "0.40"); 14,042 test questions over 57 subjects; the paper's category table covers them;
@@ -6,9 +7,11 @@
 2. the whole pipeline on all 14,042 test questions (zero-shot, a one-token-per-line tokenizer so that it
    is cheap): every question in every table;
 3. one known 5-shot prompt equals a hand-written string byte for byte; shots are dropped until a prompt fits;
+   the prompts tokenised in a child process (mmlu_tokenize.py) are those tokenised here, errors alike;
 4. a model rigged to always answer one letter scores exactly that letter's share of the answers per subject;
    an lm_head adapter rigged to another letter gives deltas and paired intervals equal to a hand computation,
-   and `--max-drop` turns them into exit 1 or 0;
+   and `--max-drop` turns them into exit 1 or 0; a run tokenised beside the model's load equals one tokenised
+   first, byte for byte;
 5. bad data: a missing column, an answer outside A-D, an empty file, a subject without dev examples name the
    file and the row; a tokenizer that splits " A" is refused;
 6. the engine's last-position scores against transformers (+ PEFT) float32 full logits; mixed batches.
@@ -54,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the release beside the checkout, or where the GPU machine's calls carry it (the benchmarks' default folder)
 DATA = next((p for p in (ROOT.parent / "shared" / "data" / "mmlu", Path("/work/shared/data/mmlu"), ROOT / ".mmlu-data")
              if p.is_dir()), ROOT.parent / "shared" / "data" / "mmlu")
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="the MMLU release is not in ../shared/data/mmlu")
+pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="the MMLU release is neither in ../shared/data/mmlu nor in "
+                                "./.mmlu-data")
 
 TEST_QUESTIONS, DEV_QUESTIONS, VAL_QUESTIONS = 14_042, 285, 1_531  # the published split sizes
 ORACLE_TOL = 1e-5  # our float32 engine vs transformers float32
