@@ -133,12 +133,16 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         data_root = Path(data)
         digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
                                                  for path in sorted(set(files))})  # (result() below)
+
+        def tokenize_here() -> Tokenized:
+            return checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
+
         tokenizing = TokenizeBeside(model, questions, dev, shots, max_len) if tokenizes_beside(engine, options) \
             else None
         tokens = None
         if tokenizing is None:
             with phases("tokenize"):
-                tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
+                tokens = tokenize_here()
         with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
             if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
                 check_fits(model, adapters, options.device, options.dtype, batch_tokens,
@@ -172,7 +176,7 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             return read_run(out)
         with phases("tokenize"):
             if tokens is None:  # (the complete run seen above was removed since: tokenised here after all)
-                tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
+                tokens = tokenize_here()
             ids, used, candidates = tokens.ids, tokens.used, tokens.candidates
             rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
             rows_tags = tags * len(ids)

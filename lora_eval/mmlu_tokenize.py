@@ -11,6 +11,7 @@ as the same error, with the same message.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -74,12 +75,12 @@ class TokenizeBeside:
         code = self.process.wait()
         self.seconds = time.perf_counter() - self.started
         try:
-            answer = json.loads((self.dir / "result.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            tail = (self.dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-2000:]
-            self.cancel()
-            raise RuntimeError(f"tokenising the MMLU prompts in a child process failed (exit code {code}):\n{tail}")
-        try:
+            try:
+                answer = json.loads((self.dir / "result.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                tail = (self.dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-2000:]
+                raise RuntimeError(f"tokenising the MMLU prompts in a child process failed (exit code {code}):\n"
+                                   f"{tail}") from None
             if "error" in answer:
                 error = answer["error"]
                 raise ERRORS[error["type"]](error["where"], error["problem"], key=error["key"])
@@ -104,7 +105,7 @@ def main() -> None:
         answer = dict(error=dict(type=type(e).__name__, where=e.where, problem=e.problem, key=e.key))
     else:
         lengths = np.array([len(row) for row in tokens.ids], dtype=np.int64)
-        flat = np.fromiter((t for row in tokens.ids for t in row), dtype=np.int64, count=int(lengths.sum()))
+        flat = np.fromiter(itertools.chain.from_iterable(tokens.ids), dtype=np.int64, count=int(lengths.sum()))
         np.save(folder / "ids.npy", flat)
         np.save(folder / "lengths.npy", lengths)
         answer = dict(used=tokens.used, candidates=tokens.candidates, candidate_tokens=tokens.candidate_tokens)

@@ -212,6 +212,7 @@ class Axes:
         def py(v):
             return y0 + h - self.y.fraction(v) * h
 
+        left, _, _, bottom = self.margins()
         out = []
         for value, label in zip(*self.x.tick_marks()):
             x = float(px(value))
@@ -234,11 +235,10 @@ class Axes:
         if self.title:
             out.append(f'<text x="{_f(x0)}" y="{_f(y0 - 6)}" font-size="{FONT + 1}">{_esc(self.title)}</text>')
         if self.xlabel:
-            rise = self.margins()[3] - FONT - 8
-            out.append(f'<text x="{_f(x0 + w / 2)}" y="{_f(y0 + h + rise + FONT)}" text-anchor="middle">'
+            out.append(f'<text x="{_f(x0 + w / 2)}" y="{_f(y0 + h + bottom - 8)}" text-anchor="middle">'
                        f'{_esc(self.xlabel)}</text>')
         if self.ylabel:
-            x = x0 - self.margins()[0] + FONT
+            x = x0 - left + FONT
             out.append(f'<text x="{_f(x)}" y="{_f(y0 + h / 2)}" text-anchor="middle" transform="rotate(-90 {_f(x)} '
                        f'{_f(y0 + h / 2)})">{_esc(self.ylabel)}</text>')
         if self.legend:
