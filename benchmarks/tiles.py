@@ -27,8 +27,8 @@ stage less, against the same GEMM at the default tiles with and without the LoRA
 with every row in one (the end-to-end bench's lora-1 case). Shrinks: q/k/v's shared one (in 2048, R 48), o_proj
 (in 4096, R 16), router (in 2048, R 16); expands: q (out 4096), k or v (out 512), o (out 2048), router (out 128), R
 16; each against a copy of the same bytes. `head-norm`: q's and k's per-head RMSNorm + RoPE in one kernel
-(kernels/head_norm_rope.py), with and without the LoRA expand inside, by tokens per program (its argument
-tokens_per_program; TOKENS_PER_PROGRAM ships), against the separate kernels.
+(kernels/head_norm_rope.py) by tokens per program (its argument tokens_per_program; TOKENS_PER_PROGRAM ships), after
+the LoRA expand or without one, against the separate kernels.
 
 `shrinks` (was lora_shrinks.py): the LoRA shrinks of the lora-1 case (4 slots, every row in slot 0, rank 16):
 `moe`, the per-block MoE shrinks with PEFT's per-expert factors (kernels/fused_moe.moe_lora_shrink: gate_up, x
@@ -373,8 +373,8 @@ def dense(b: Bench, args):
 
 
 def head_norms(b: Bench, T, meta, batch=4):
-    """q's / k's per-head norm + RoPE (kernels/head_norm_rope.py) by tokens per program, with and without the LoRA
-    expand inside, against the separate kernels (expand, rms_norm, rope)."""
+    """q's / k's per-head norm + RoPE (kernels/head_norm_rope.py) by tokens per program, without and after the LoRA
+    expand (in place, as the forward runs it), against the separate kernels (expand, rms_norm, rope)."""
     D = b.s.D
     L = T // batch
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.float32, device=b.dev) / D))
@@ -396,9 +396,15 @@ def head_norms(b: Bench, T, meta, batch=4):
                  f"LoRA {(b.ms(lambda: apart(True)) - clone) * 1e3:.1f} us"]
         for tokens in (16, 32, 64):
             base = b.ms(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin, tokens_per_program=tokens))
-            lora = b.ms(lambda: hnr.head_norm_rope(y, w, 1e-6, cos, sin, lora=(shrunk, B, meta.row_slot, None),
-                                                   tokens_per_program=tokens))
-            cells.append(f"fused at {tokens} tokens: base {base * 1e3:.1f} us, LoRA {lora * 1e3:.1f} us")
+
+            def after_expand():
+                z = y.clone()
+                dense_lora_expand(z, shrunk, B, meta)
+                return hnr.head_norm_rope(z, w, 1e-6, cos, sin, tokens_per_program=tokens)
+
+            lora = b.ms(after_expand) - clone
+            cells.append(f"fused at {tokens} tokens: base {base * 1e3:.1f} us, "
+                         f"after the LoRA expand {lora * 1e3:.1f} us")
         print(f"{name} norm + rope ({heads} heads): " + "; ".join(cells), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""LoRA plumbing shared by the ops that apply adapter deltas (dense_lora.py, head_norm_rope.py, fused_moe.py): the
+"""LoRA plumbing shared by the ops that apply adapter deltas (dense_lora.py, fused_moe.py): the
 batch's rows grouped by adapter slot (LoraMeta, lora_metadata), each row's slot inside a kernel (row_slots), and a
 shrink's partial sums, read on the device (load_shrunk) and checked on the host (partials).
 

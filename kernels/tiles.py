@@ -123,8 +123,8 @@ RESIDUAL_BLOCKS = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 
 # --------------------------------------------------------------------------- head norm + RoPE (head_norm_rope.py)
 
-# grid (cdiv(T, TOKENS_PER_PROGRAM), heads); tl.dot of the LoRA delta needs 16 at least. H100, 4 x 1024 tokens, q of
-# Qwen3-30B-A3B (benchmarks/tiles.py dense --sections head-norm): 16 and 32 tie (26 us, 41 with LoRA), 64 is slower
+# grid (cdiv(T, TOKENS_PER_PROGRAM), heads). H100, 4 x 1024 tokens, q of Qwen3-30B-A3B (benchmarks/tiles.py dense
+# --sections head-norm): 16 and 32 tie (26 us), 64 is slower
 TOKENS_PER_PROGRAM = 32
 
 # ------------------------------------------------------------- batch-invariant mode (--batch-invariant, issue #23)

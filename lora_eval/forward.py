@@ -203,7 +203,8 @@ class Forward:
         (adapters/stack.py) shrink x once together, then each expands from its own columns.
         `head_norms` with `rope` = (cos, sin) [B, L, D]: per module an RMSNorm over each head of its output followed
         by RoPE (Qwen3's q and k), or None; such an output comes back as [B, heads, L, D]
-        (kernels/head_norm_rope.py, on the Triton path with the module's LoRA expand in the same pass)."""
+        (kernels/head_norm_rope.py on the Triton path, after the module's LoRA expand: see that module for why the
+        expand does not run inside it)."""
         head_norms = head_norms or (None,) * len(modules)
         bases = self._grouped_bases(modules, x)
         shared = self.stack.shared if self.triton and self.stack is not None else {}
@@ -222,10 +223,6 @@ class Forward:
                 first, rank = group.columns[module.site]
                 lora = self.stack.dense[module.site]
                 columns = shrunk[..., first:first + rank]  # [splits, T, R]
-                if norm is not None and self._fused_head_norm(norm, rope) and norm.site not in self.stack.overrides:
-                    outs.append(head_norm_rope(y, norm.weight, norm.eps, *rope,
-                                               lora=(columns, lora.B, self.meta.row_slot, lora.slot_mask)))
-                    continue
                 dense_lora_expand(y, columns, lora.B, self.meta, slot_mask=lora.slot_mask)
             outs.append(self._head_norm_rope(norm, y, rope))
         return outs

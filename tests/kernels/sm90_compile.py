@@ -109,24 +109,20 @@ def _gluon_gemms(T: int):
 
 
 def _dense_consumers(T: int = 128):
-    """Every consumer of a dense LoRA shrink at MAX_SPLITS partial sums, Qwen3-30B-A3B shapes (bf16): the expand,
-    o_proj's residual add, q's norm + RoPE (the router's top-k took one too, until its expand moved out: issue #23)."""
+    """Every consumer of a dense LoRA shrink at MAX_SPLITS partial sums, Qwen3-30B-A3B shapes (bf16): the expand
+    and o_proj's residual add (the router's top-k and q/k's norm + RoPE took one too, until their expands moved out:
+    issues #23 and 41)."""
     from lora_eval.kernels.dense_lora import dense_lora_expand, lora_residual_add
-    from lora_eval.kernels.head_norm_rope import head_norm_rope
     from lora_eval.kernels.lora_meta import lora_metadata
     from lora_eval.kernels.tiles import MAX_SPLITS
 
-    R, S, D = 16, 4, 128
+    R, S = 16, 4
     bf16 = dict(dtype=torch.bfloat16)
     parts = torch.empty(MAX_SPLITS, T, R)
     meta = lora_metadata(torch.arange(T) % (S + 1) - 1, S)
-    lora = (meta.row_slot, None)
     dense_lora_expand(torch.empty(T, 4096, **bf16), parts, torch.empty(S, 4096, R, **bf16), meta)
     lora_residual_add(torch.empty(T, 2048, **bf16), torch.empty(T, 2048, **bf16), parts,
                       torch.empty(S, 2048, R, **bf16), meta)
-    cos = sin = torch.empty(1, T, D, **bf16)
-    head_norm_rope(torch.empty(T, 32 * D, **bf16), torch.empty(D, **bf16), 1e-6, cos, sin,
-                   lora=(parts, torch.empty(S, 32 * D, R, **bf16), *lora))
 
 
 def _prefix_attention():
@@ -156,6 +152,7 @@ def _batch_invariant():
 def _batch_shapes():
     """Batches of varying shape, as MMLU and compare make (token counts, pair counts, sequence and prefix lengths
     of every divisibility class by 16): each kernel must compile once, not once per class (kernels/__init__.py)."""
+    from lora_eval.kernels.head_norm_rope import head_norm_rope
     from lora_eval.kernels.logprobs import token_logprobs
     from lora_eval.kernels.matmul import matmul
     from lora_eval.kernels.prefix_attention import one_prefix, prefix_attention
@@ -172,6 +169,8 @@ def _batch_shapes():
                        v_splits=8)
     for T in (127, 128, 130):
         _dense_consumers(T)
+        cos = sin = torch.empty(1, T, 128, **bf16)
+        head_norm_rope(torch.empty(T, 32 * 128, **bf16), torch.empty(128, **bf16), 1e-6, cos, sin)
     for L, P in ((100, 600), (112, 601), (113, 608)):
         q, k = torch.empty(8, 32, L, 128, **bf16), torch.empty(8, 4, L, 128, **bf16)
         prefix_attention(q, k, k, torch.empty_like(q), torch.arange(8), 0.1,
