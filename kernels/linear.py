@@ -24,3 +24,16 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
+
+
+def pointwise_in_blocks(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (an elementwise op: sigmoid, silu, ...) of x [M, n] for a narrow n, in fixed ROWS-row blocks. torch computes
+    the last values of an elementwise op's tensor (its size mod the vector width) on a scalar path a few ulps off the
+    vectorised one, so over a [T, 1] tensor the rows at the end of a batch came out otherwise than elsewhere. A block of
+    ROWS x n values is a whole number of vectors, and small enough to run on one thread (no split into ranges with
+    tails of their own), so every value takes the vector path wherever its row sits."""
+    M = x.shape[0]
+    blocks = -(-M // ROWS)
+    padded = x.new_zeros(blocks * ROWS, *x.shape[1:])  # [M', n]
+    padded[:M] = x
+    return torch.cat([fn(block) for block in padded.split(ROWS)])[:M]

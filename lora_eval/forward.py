@@ -29,7 +29,7 @@ from .kernels.dense_lora import (dense_lora, dense_lora_expand, dense_lora_ref, 
                                  embedding_lora_ref, lora_residual_add)
 from .kernels.fused_moe import fused_moe, fused_moe_ref, pick_config
 from .kernels.head_norm_rope import head_norm_rope
-from .kernels.linear import linear_ref
+from .kernels.linear import linear_ref, pointwise_in_blocks
 from .kernels.lora_meta import lora_metadata
 from .kernels.matmul import matmul
 from .kernels.prefix_attention import PrefixTable, prefix_attention
@@ -267,6 +267,12 @@ class Forward:
             y = self._replace(override, y, lambda rows, p: norm(x if rows is None else x[rows], p["weight"],
                                                                  module.eps))
         return y
+
+    def pointwise(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """fn (an elementwise op) of a narrow x [T, n]: on the torch path in fixed row blocks, whose values all take
+        torch's vectorised path (kernels/linear.py pointwise_in_blocks), so that a row's result does not depend on
+        where it sits in the batch; on the GPU as it is."""
+        return fn(x) if self.triton else pointwise_in_blocks(fn, x)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x [B, L, heads, D] by cos/sin [B, L, D] -> [B, heads, L, D], the attention layout."""

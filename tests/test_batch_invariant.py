@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from lora_eval import Batch, Engine
 from lora_eval.cli import cli
 from lora_eval.demo import build_demo
-from tests.builders import save_random_peft_adapter_any
+from tests.builders import FAMILIES, save_random_model, save_random_peft_adapter_any
 from tests.cli_checks import assert_input_error
 from tests.conftest import CPU
 from tests.test_distributed import demo, demo_compare  # noqa: F401 - demo is a fixture
@@ -33,15 +33,15 @@ VOCAB = 96
 PLACES = ((3, 0), (4, 2), (5, 5), (9, 4))  # (other rows, the target's index): first, middle, last; a larger batch
 
 
-def batches_around(target: list[int], tag, seed: int, vocab: int = VOCAB,
-                   places=PLACES) -> list[tuple[Batch, int]]:
-    """(batch, index of `target` in it): alone; among rows of other lengths and adapters at `places`; beside a
-    much longer row (more padding)."""
+def batches_around(target: list[int], tag, seed: int, vocab: int = VOCAB, places=PLACES,
+                   tags=("a", "b", None)) -> list[tuple[Batch, int]]:
+    """(batch, index of `target` in it): alone; among rows of other lengths and adapters (of `tags`) at `places`;
+    beside a much longer row (more padding)."""
     rng = random.Random(seed)
 
     def others(n):
         rows = [[rng.randrange(vocab) for _ in range(rng.randint(3, 2 * len(target)))] for _ in range(n)]
-        return rows, [rng.choice(["a", "b", None]) for _ in range(n)]
+        return rows, [rng.choice(tags) for _ in range(n)]
 
     cases = [(Batch([target], [tag]), 0)]
     for n, where in places:
@@ -50,7 +50,9 @@ def batches_around(target: list[int], tag, seed: int, vocab: int = VOCAB,
         tags.insert(where, tag)
         cases.append((Batch(rows, tags), where))
     long = [rng.randrange(vocab) for _ in range(4 * len(target) + 7)]
-    cases.append((Batch([long, target], ["b", tag]), 1))
+    cases.append((Batch([long, target], [tags[-2] if len(tags) > 1 else None, tag]), 1))
+    shorter = [[rng.randrange(vocab) for _ in range(rng.randint(2, len(target) - 1))] for _ in range(3)]
+    cases.append((Batch(shorter + [target], [rng.choice(tags) for _ in shorter] + [tag]), 3))  # last and longest
     return cases
 
 
@@ -143,3 +145,21 @@ def test_gpu_compare_tables_do_not_depend_on_batch_tokens(demo_inputs, tmp_path)
     for name in ("tokens.parquet", "samples.csv", "summary.csv"):
         first = (runs[0] / name).read_bytes()
         assert all((run / name).read_bytes() == first for run in runs[1:]), name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_torch_backend_rows_do_not_see_their_batch_in_every_family(family, tmp_path_factory, session_seed, seed):
+    """The CPU path's claim (the oracle, and what makes data-parallel runs byte-identical to one process) for every
+    family: a row's logprobs bitwise the same alone, first, in the middle, last and beside a longer row. Qwen2-MoE's
+    shared-expert gate once failed it: a sigmoid over a [T, 1] tensor, whose last T mod 16 values torch computes on
+    a scalar path a few ulps off the vectorised one, so the rows at the end of a batch came out otherwise."""
+    model_dir = save_random_model(tmp_path_factory.mktemp(family), family, seed=session_seed)
+    engine = Engine.load(model_dir, options=CPU)
+    rng = random.Random(seed)
+    vocab = engine.model.args.vocab_size
+    for length in (7, 13):  # a few lengths: whether a row's gate values fall in a vector's tail depends on T
+        target = [rng.randrange(vocab) for _ in range(length)]
+        results = [engine.logprobs(batch)[i]
+                   for batch, i in batches_around(target, None, seed + length, vocab, tags=(None,))]
+        for k, other in enumerate(results[1:], start=1):
+            assert torch.equal(other, results[0]), (family, length, k, (other - results[0]).abs().max().item())

@@ -61,7 +61,8 @@ class SharedExpertMoe(qwen3.SparseMoe):
 
     def forward(self, x, fwd, residual=None):
         routed = super().forward(x, fwd)  # [T, H]
-        shared = torch.sigmoid(self.shared_expert_gate(x, fwd)) * self.shared_expert(x, fwd)  # [T, 1] * [T, H]
+        gate = fwd.pointwise(torch.sigmoid, self.shared_expert_gate(x, fwd))  # [T, 1]
+        shared = gate * self.shared_expert(x, fwd)  # [T, H]
         out = routed + shared  # [T, H]: transformers adds the shared expert first, then the residual
         return out if residual is None else residual + out
 
