@@ -18,7 +18,7 @@ import torch
 from .bench import bench
 from .compare import compare
 from .demo import run_demo
-from .diagnose import diagnose
+from .diagnose import AGAINST_ADAPTERS, diagnose
 from .diagnose_report import diagnose_summary
 from .engine import DTYPES, EngineOptions
 from .distributed import PeerFailed
@@ -424,8 +424,10 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 
 @cli.command(name="diagnose", epilog=epilog(
     "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/why",
+    "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/fp8 "
+    "--against-model MODEL_FP8",
     "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/merged "
-    "--against-model MERGED_MODEL",
+    "--against-model MERGED_MODEL --against-adapters none",
     "lora-eval diagnose --model MODEL --reference ref.parquet --out runs/bf16 --dtype bfloat16 --samples 4 "
     "--layer-by-layer"))
 @model_and_adapters
@@ -433,8 +435,12 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 @click.option("--samples", default=8, type=click.IntRange(min=1), show_default=True,
               help="Per adapter (and base): the samples with the largest k2 against the reference.")
 @click.option("--against-model", default=None, type=click.Path(),
-              help="Side B: this checkpoint (same architecture, e.g. an adapter merged into the weights), run "
-              "without adapters for every row. Default: the --model checkpoint with the adapters.")
+              help="Side B: this checkpoint of the same architecture (a quantized release or another revision of "
+              "the base; or one with an adapter merged into its weights: --against-adapters none). Default: the "
+              "--model checkpoint.")
+@click.option("--against-adapters", default="same", type=click.Choice(AGAINST_ADAPTERS), show_default=True,
+              help="Side B with the same adapters as the engine, or with none: --against-model has the one --adapter "
+              "given merged into its weights (as a server runs it); only that adapter's rows are compared.")
 @click.option("--against-dtype", default="float32", type=click.Choice(list(DTYPES)), show_default=True,
               help="Side B's dtype (side B runs on the plain-torch backend).")
 @click.option("--layer-by-layer", is_flag=True,
@@ -445,17 +451,17 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 @device_options
 @invariant_option
 @run_options
-def diagnose_cmd(model_dir, adapters, references, out, samples, against_model, against_dtype, layer_by_layer,
-                 batch_tokens, device, dtype, gate_up_layout, batch_invariant, overwrite, quiet):
+def diagnose_cmd(model_dir, adapters, references, out, samples, against_model, against_adapters, against_dtype,
+                 layer_by_layer, batch_tokens, device, dtype, gate_up_layout, batch_invariant, overwrite, quiet):
     """Where the engine parts from a reference computation, layer by layer: per layer the error of attention, router
     (and its top-k flips), routed experts and residual stream on the samples with the largest k2, each adapter's
     effect per module, and the first divergent layer per adapter (layers.csv, modules.csv, diagnose.json,
     diagnose.md, diagnose.html)."""
     result = diagnose(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
                       options=engine_options(device, dtype, gate_up_layout, batch_invariant=batch_invariant),
-                      samples=samples,
-                      against_model=against_model, against_dtype=against_dtype, layer_by_layer=layer_by_layer,
-                      batch_tokens=batch_tokens, quiet=quiet, overwrite=overwrite, notice=notice)
+                      samples=samples, against_model=against_model, against_dtype=against_dtype,
+                      against_adapters=against_adapters, layer_by_layer=layer_by_layer, batch_tokens=batch_tokens,
+                      quiet=quiet, overwrite=overwrite, notice=notice)
     if speaks():
         click.echo(diagnose_summary(result))
         click.echo(f"\ntime: {phase_times(result.run)}")

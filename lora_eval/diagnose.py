@@ -4,9 +4,14 @@ Side A is the engine as `compare` runs it (the same EngineOptions: device, dtype
 reference picks the samples, then it runs them one row at a time, eagerly, with the probe of forward.py reporting
 its intermediates (a CUDA graph replays the very kernels the eager forward launches, so these are the engine's
 numbers). Side B is the plain-torch backend of the same checkpoint in float32 with the same adapters; `against_model`
-puts another checkpoint there (e.g. one with an adapter merged into its weights, as a server runs it), which runs
-without adapters for every row — each row is compared with side A's row under its adapter (or base);
-`against_dtype` gives side B another dtype.
+puts another checkpoint of the same architecture there and `against_dtype` another dtype. With `against_model`, side B
+runs (`against_adapters`):
+  "same"  the same adapters, read and checked against that checkpoint's shapes (a quantized release or another
+          revision of the same base): each row is compared with the same row under the same adapter (or base)
+  "none"  no adapters: the checkpoint has one adapter merged into its weights, as a server runs it. Exactly one
+          adapter must be given, which names the one merged: side A's rows under it are compared with the merged
+          model, and rows under base or other adapters are left out — the merged model computes neither, and
+          comparing them would report the adapters' own difference as a divergence at the first layer they touch.
 
 Samples: per adapter (and base), the `samples` reference samples with the largest k2 of the engine against the
 reference (metrics.token_metrics over the sample's masked tokens, as compare computes it).
@@ -45,7 +50,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,16 +84,19 @@ MIN_FLOOR = 1e-5  # ... nor under this (float32 sums taken in another order diff
 TOP_EXPERTS = 5  # flipped-in / flipped-out experts listed per layer in diagnose.json
 UNIT_COLUMNS = ["kind", "sample", "layer", "name", "num", "den", "count"]  # the rows every unit of work records
 POINT_OF = {"attention": "attention", "router_logits": "router", "moe": "moe", "residual": "residual"}
+AGAINST_ADAPTERS = ("same", "none")  # side B with side A's adapters, or without them (a merged checkpoint)
 
 
 def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, references: list | tuple = (), *,
              out: str | Path | None = None, options: EngineOptions | None = None, samples: int = 8,
-             against_model: str | Path | None = None, against_dtype: str = "float32", layer_by_layer: bool = False,
-             batch_tokens: int = 4096, quiet: bool = False, overwrite: bool = False, notice=print) -> DiagnoseResult:
+             against_model: str | Path | None = None, against_dtype: str = "float32", against_adapters: str = "same",
+             layer_by_layer: bool = False, batch_tokens: int = 4096, quiet: bool = False, overwrite: bool = False,
+             notice=print) -> DiagnoseResult:
     """Compare the engine (side A) with a reference computation (side B) layer by layer on the reference samples it
     gets most wrong; return (and, with `out`, write as a run folder) the per-layer errors, the adapters' per-module
     effects and the first divergent layer per adapter. `references` holds paths or (adapter name, path) pairs, as
-    for `compare`; see the module notes for the sides, the samples and the rule."""
+    for `compare`; `against_adapters` ("same" or "none"): whether side B runs the adapters; see the module notes for
+    the sides, the samples and the rule."""
     phases = Phases()
     options = (options or EngineOptions()).resolved()
     if options.expert_parallel or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -96,43 +104,43 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     adapters = adapter_names(adapters)
     samples = positive_int(samples, "--samples")
     batch_tokens = positive_int(batch_tokens, "--batch-tokens")
-    if against_dtype not in DTYPES:
-        raise InputError("--against-dtype", f"'{against_dtype}' is not one of {', '.join(DTYPES)}")
+    side_b = SideB.checked(model, against_model, against_dtype, against_adapters, adapters)
     if not references:
         raise InputError("--reference", "at least one reference dump is needed")
     out = check_out(out)
     _, args = model_config(model)
-    if against_model is not None:
+    if side_b.against:
         _check_against(args, against_model)
     with phases("read"):
-        refs = _read_references(references, adapters, args.vocab_size)
+        refs, left_out = _read_references(references, adapters, args.vocab_size, side_b.merged)
         lengths = [len(ids) for ids in refs["input_ids"]]
         batches = make_batches(lengths, batch_tokens)
     tags = [a if isinstance(a, str) else BASE for a in refs["adapter"]]
-    order = [BASE, *adapters]  # reports list base first, then the adapters as given
+    # reports list base first, then the adapters as given; against a merged checkpoint its adapter alone
+    order = [side_b.merged] if side_b.merged else [BASE, *adapters]
     picked = {tag: min(samples, tags.count(tag)) for tag in order}
-    measured, why = _measurement(model, adapters, against_model, options, against_dtype, max(lengths),
-                                 layer_by_layer, batch_tokens)
+    measured, why = _measurement(model, adapters, side_b, options, max(lengths), layer_by_layer, batch_tokens)
     with phases("load"):  # the adapters' files (the models' load with their first use)
         parsed = read_adapters(model, adapters, options)
+        parsed_b = side_b.read_adapters(parsed, adapters, options)
         quantization = load_model(model, device="meta").args.quantization
     floor = noise_floor(options.dtype, against_dtype)
     arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                      references=[reference_arg(r) for r in references], samples=samples,
                      against_model=None if against_model is None else str(against_model), against_dtype=against_dtype,
-                     layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
+                     against_adapters=against_adapters, layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
     rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
-    task_options = dict(options.record(), samples=samples, against_dtype=against_dtype, measured=measured,
-                        batch_tokens=batch_tokens, rule=rule)
+    task_options = dict(options.record(), samples=samples, against_dtype=against_dtype,
+                        against_adapters=against_adapters, measured=measured, batch_tokens=batch_tokens, rule=rule)
     files = InputDigests(model, adapters, reference_inputs(references)).result()
-    if against_model is not None:
+    if side_b.against:
         files.update(InputDigests(against_model, prefix="against-").result())
 
     with RunFolder(out, "diagnose", fingerprint("diagnose", files, task_options, versions()),
                    dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:
         if folder.stored is not None:
             return read_diagnose(out)
-        sides = _Sides(model, parsed, options, against_model, against_dtype)
+        sides = _Sides(model, parsed, options, side_b, parsed_b)
         n_chosen = sum(picked.values())
         n_adapter = sum(n for tag, n in picked.items() if tag != BASE)
         k2_units = list(range(len(batches)))
@@ -175,13 +183,15 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
                 modules = module_table(units[units["kind"] == "module"], sample_tag, order)
                 record = dict(
                     measured=measured, why=why, points=DIAGNOSE_POINTS, side_a=_side_a(model, options),
-                    side_b=_side_b(model, options, against_model, against_dtype),
+                    side_b=side_b.record(options, left_out),
                     rule=dict(rule, text=RULE_TEXT.format(factor=FACTOR, floor=floor)),
                     adapters={tag: _adapter_record(tag, layers, units, refs, chosen, tags, measured, floor)
                               for tag in order})
             run = folder.run_record(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
                                                                        batch_invariant=options.batch_invariant,
-                                                                       against_dtype=against_dtype, measured=measured),
+                                                                       against_dtype=against_dtype,
+                                                                       against_adapters=against_adapters,
+                                                                       measured=measured),
                                     timings=phases.timings(), work=work.stats(), samples=len(chosen),
                                     quantization=quantization)
             result = DiagnoseResult(layers=layers, modules=modules, record=record, run=run)
@@ -231,12 +241,74 @@ class _Stop(Exception):
     """Raised by a probe to end a forward once the layer it wanted has been seen."""
 
 
+@dataclass(frozen=True)
+class SideB:
+    """What side B runs, as one object: the checkpoint `model` (--against-model when `against`, else --model's) in
+    `dtype` on the plain-torch backend, with side A's adapters (`adapters` "same") or none ("none": `merged`, the one
+    adapter given, is merged into the checkpoint's weights)."""
+
+    model: str
+    dtype: str
+    adapters: str
+    against: bool
+    merged: str | None = None
+
+    @classmethod
+    def checked(cls, model, against_model, against_dtype: str, against_adapters: str, adapters: dict) -> "SideB":
+        """diagnose's side B arguments checked before anything is read (InputError naming the option); `adapters`:
+        side A's, {name: folder}."""
+        if against_dtype not in DTYPES:
+            raise InputError("--against-dtype", f"'{against_dtype}' is not one of {', '.join(DTYPES)}")
+        if against_adapters not in AGAINST_ADAPTERS:
+            raise InputError("--against-adapters",
+                             f"'{against_adapters}' is not one of {', '.join(AGAINST_ADAPTERS)}")
+        merged = None
+        if against_adapters == "none":
+            if against_model is None:
+                raise InputError("--against-adapters", "'none' runs side B without adapters, as a checkpoint with "
+                                 "an adapter merged into its weights: it needs --against-model (that checkpoint)")
+            # a merged checkpoint holds one adapter: the one --adapter given names it, and nothing else compares
+            if len(adapters) != 1:
+                given = ", ".join(adapters) or "none"
+                raise InputError("--against-adapters", f"'none' compares with a checkpoint that has one adapter "
+                                 f"merged into its weights: give exactly that one --adapter (given: {given})")
+            merged = next(iter(adapters))
+        return cls(model=str(against_model if against_model is not None else model), dtype=against_dtype,
+                   adapters=against_adapters, against=against_model is not None, merged=merged)
+
+    def read_adapters(self, parsed: list, adapters: dict, options: EngineOptions) -> list:
+        """Side B's adapters: side A's (`parsed` from `adapters`) on side A's checkpoint; on --against-model read
+        again, checked against its shapes (no weight loaded); none against a merged checkpoint."""
+        if self.adapters == "none":
+            return []
+        if not self.against:
+            return parsed
+        try:
+            return read_adapters(self.model, adapters, options)
+        except InputError as e:  # the adapter's file and key, and which checkpoint it does not fit
+            raise type(e)(e.where, f"{e.problem}, on --against-model {self.model} (where side B runs the same "
+                          "adapters: --against-adapters same)", key=e.key) from None
+
+    def record(self, options: EngineOptions, left_out: int) -> dict:
+        """diagnose.json's side_b: the checkpoint, dtype and which adapters ran (`left_out`: reference rows not
+        compared)."""
+        if self.adapters == "none":
+            note = (f"without adapters: a checkpoint with adapter '{self.merged}' merged into its weights "
+                    f"(--against-adapters none); '{self.merged}' rows are compared with it, rows under base or any "
+                    f"other adapter are not ({left_out} left out)")
+        else:
+            note = "with the same adapters as side A" + (", read against this checkpoint (--against-adapters same)"
+                                                         if self.against else "")
+        return dict(model=self.model, device=options.device, dtype=self.dtype, backend="torch",
+                    adapters=self.adapters, merged_adapter=self.merged, note=note)
+
+
 class _Sides:
     """Side A (the engine) and side B (the reference computation), each loaded on first use."""
 
-    def __init__(self, model, parsed, options: EngineOptions, against_model, against_dtype: str):
+    def __init__(self, model, parsed, options: EngineOptions, side_b: SideB, parsed_b: list):
         self.model, self.parsed, self.options = model, parsed, options
-        self.against_model, self.against_dtype = against_model, against_dtype
+        self.side_b, self.parsed_b = side_b, parsed_b  # side B's settings and adapters (SideB.read_adapters)
         self._a = self._b = self._layers = None
 
     @property
@@ -249,26 +321,24 @@ class _Sides:
     def b(self) -> Engine:
         """Side B whole (free-running): the plain-torch engine of its checkpoint in its dtype."""
         if self._b is None:
-            options = replace(self.options, dtype=self.against_dtype, backend="torch", cuda_graphs=False)
-            adapters = [] if self.against_model is not None else self.parsed
-            self._b = Engine.load(self.against_model or self.model, adapters, options)
+            options = replace(self.options, dtype=self.side_b.dtype, backend="torch", cuda_graphs=False)
+            self._b = Engine.load(self.side_b.model, self.parsed_b, options)
         return self._b
 
     @property
     def layers(self) -> LayerLoader:
         """Side B one decoder layer at a time."""
         if self._layers is None:
-            self._layers = LayerLoader(self.against_model or self.model, DTYPES[self.against_dtype],
-                                       self.options.device)
+            self._layers = LayerLoader(self.side_b.model, DTYPES[self.side_b.dtype], self.options.device)
         return self._layers
 
     def layer_adapters(self, sites: set[str]):
-        """Side B's adapters for one layer (their factors at `sites` only), or None (none, or --against-model)."""
-        if self.against_model is not None or not self.parsed:
+        """Side B's adapters for one layer (their factors at `sites` only), or None (it runs none)."""
+        if not self.parsed_b:
             return None
         return [replace(a, dense={s: f for s, f in a.dense.items() if s in sites},
                         experts={s: f for s, f in a.experts.items() if s in sites}, embedding={},
-                        overrides={s: f for s, f in a.overrides.items() if s in sites}) for a in self.parsed]
+                        overrides={s: f for s, f in a.overrides.items() if s in sites}) for a in self.parsed_b]
 
     def release(self) -> None:
         self._a = self._b = self._layers = None
@@ -367,7 +437,7 @@ def _free_running(sides: _Sides, sample: int, ids: list[int], adapter: str | Non
     seen, probe = _capture()
     _run_engine(sides.a, list(ids), adapter, probe)
     rows = []
-    _run_engine(sides.b, list(ids), adapter, _comparer(seen, sample, rows))
+    _run_engine(sides.b, list(ids), adapter, _comparer(seen, sample, rows))  # (without adapters: as base)
     return _frame(rows)
 
 
@@ -378,7 +448,7 @@ def _one_layer(sides: _Sides, layer: int, chosen: list[int], refs: pd.DataFrame)
     stack = AdapterStack(loaded, one.model) if loaded else None
     names = [a.name for a in loaded] if loaded else []
     device = one.model.inv_freq.device
-    dtype = DTYPES[sides.against_dtype]
+    dtype = DTYPES[sides.side_b.dtype]
     rows = []
     for i in chosen:
         ids, adapter = list(refs["input_ids"][i]), _adapter(refs["adapter"][i])
@@ -454,13 +524,6 @@ def _side_a(model, options: EngineOptions) -> dict:
                 "very kernels the eager forward launches")
 
 
-def _side_b(model, options: EngineOptions, against_model, against_dtype: str) -> dict:
-    adapters = "none: the --against-model checkpoint runs every row without adapters" if against_model is not None \
-        else "applied"
-    return dict(model=str(against_model or model), device=options.device, dtype=against_dtype, backend="torch",
-                adapters=adapters)
-
-
 def _adapter_record(tag: str, layers: pd.DataFrame, units: pd.DataFrame, refs: pd.DataFrame, chosen: list[int],
                     tags: list[str], measured: str, floor: float) -> dict:
     """diagnose.json's entry of one adapter (or base)."""
@@ -530,8 +593,8 @@ def _choose(k2_frames: dict[int, pd.DataFrame], tags: list[str], order: list[str
 # ---- inputs ---------------------------------------------------------------------------------------------
 
 
-def _measurement(model, adapters: dict, against_model, options: EngineOptions, against_dtype: str, tokens: int,
-                 forced: bool, batch_tokens: int) -> tuple[str, str]:
+def _measurement(model, adapters: dict, side_b: SideB, options: EngineOptions, tokens: int, forced: bool,
+                 batch_tokens: int) -> tuple[str, str]:
     """(how to measure, why): free-running when the engine and side B fit the device together by plan.py's
     estimate, else layer by layer (side A alone must fit: refused otherwise, as compare refuses it)."""
     if forced:
@@ -540,8 +603,8 @@ def _measurement(model, adapters: dict, against_model, options: EngineOptions, a
     on_gpu = options.device.startswith("cuda")
     _, a = plan(model, adapters, batch_tokens=max(batch_tokens, tokens), dtype=options.dtype,
                 cuda_graphs=on_gpu and options.cuda_graphs)
-    _, b = plan(against_model or model, {} if against_model is not None else adapters, batch_tokens=tokens,
-                dtype=against_dtype, cuda_graphs=False)
+    _, b = plan(side_b.model, adapters if side_b.adapters == "same" else {}, batch_tokens=tokens, dtype=side_b.dtype,
+                cuda_graphs=False)
     need = float(a.iloc[0]["per_gpu_gb"] + b.iloc[0]["per_gpu_gb"])
     free = (torch.cuda.mem_get_info(torch.device(options.device))[0] if on_gpu else host_memory_available()) / 1e9
     where = f"{free:.1f} GB free on {options.device}" if on_gpu else f"{free:.1f} GB of host memory available"
@@ -562,14 +625,17 @@ def _check_against(args, against_model) -> None:
                              f"{getattr(args, field)}: side B must be the same architecture", key=key)
 
 
-def _read_references(references, adapters: dict, vocab_size: int) -> pd.DataFrame:
-    """Every reference dump, checked (as compare checks them): adapters it names must be given, sample ids unique."""
+def _read_references(references, adapters: dict, vocab_size: int,
+                     merged: str | None = None) -> tuple[pd.DataFrame, int]:
+    """Every reference dump, checked (as compare checks them): adapters it names must be given, sample ids unique;
+    and how many rows were left out. With `merged` (SideB.merged), only the rows under that adapter: the others are
+    left out, not refused, so that one dump of several adapters serves each one's merged checkpoint."""
     frames = []
     for ref in references:
         name, path = ref if isinstance(ref, tuple) else (None, ref)
         frame = read_reference(path, adapter=name, vocab_size=vocab_size)
         unknown = sorted({a for a in frame["adapter"].dropna() if a not in adapters})
-        if unknown:
+        if unknown and merged is None:
             known = ", ".join(sorted(adapters)) or "none (only the base model)"
             raise InputError(path, f"names adapter '{unknown[0]}', which was not given; known adapters: {known}",
                              key="adapter")
@@ -579,7 +645,15 @@ def _read_references(references, adapters: dict, vocab_size: int) -> pd.DataFram
     if len(duplicated):
         raise InputError(", ".join(sorted(set(duplicated["file"]))), "sample_id appears more than once",
                          key=f"sample {duplicated['sample_id'].iloc[0]}")
-    return refs
+    if merged is None:
+        return refs, 0
+    kept = refs[refs["adapter"] == merged].reset_index(drop=True)
+    if not len(kept):
+        found = ", ".join(sorted({a if isinstance(a, str) else BASE for a in refs["adapter"]}))
+        raise InputError(", ".join(sorted(set(refs["file"]))), f"no sample runs under adapter '{merged}', the one "
+                         f"merged into --against-model (--against-adapters none); the dumps name: {found}",
+                         key="adapter")
+    return kept, len(refs) - len(kept)
 
 
 # ---- small helpers --------------------------------------------------------------------------------------

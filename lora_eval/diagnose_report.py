@@ -90,14 +90,20 @@ def _sides(record: dict) -> list[str]:
     return [f"Side A (the engine): `{a.get('model')}`, {a.get('dtype')} on {a.get('device')}, {a.get('backend')} "
             f"backend, adapters {a.get('adapters')}; {a.get('note')}.",
             f"Side B (the reference): `{b.get('model')}`, {b.get('dtype')} on {b.get('device')}, {b.get('backend')} "
-            f"backend, adapters {b.get('adapters')}.",
+            f"backend, {_side_b_adapters(b)}.",
             f"Measured {record.get('measured')} ({record.get('why')}).",
             f"Rule: {record.get('rule', {}).get('text')}."]
 
 
+def _side_b_adapters(b: dict) -> str:
+    """Which adapters side B ran, in words: diagnose.SideB.record's note (`adapters` in a record without one)."""
+    return b.get("note") or f"adapters {b.get('adapters')}"
+
+
 def diagnose_summary(result: DiagnoseResult) -> str:
-    """For the terminal: how it was measured and the first divergent layer per adapter."""
-    return f"measured {result.record.get('measured')}\n" + fixed_width(divergence_table(result))
+    """For the terminal: how it was measured, side B's adapters and the first divergent layer per adapter."""
+    side_b = _side_b_adapters(result.record.get("side_b", {}))
+    return f"measured {result.record.get('measured')}; side B {side_b}\n" + fixed_width(divergence_table(result))
 
 
 # ---- Markdown --------------------------------------------------------------------------------------------

@@ -3,11 +3,16 @@
 One module fixture builds a tiny Qwen3-MoE checkpoint (5 layers, layer 1 dense), two PEFT adapters — `mine`
 (all-linear: attention, router and experts, with every v_proj lora_B zeroed) and `emb` (embedding and lm_head LoRA;
 PEFT turns its MLP names into the experts' target_parameters) — a reference whose logprobs are the engine's plus
-noise of a known size per sample, and two rigged copies of the checkpoint: one MoE layer's expert weights perturbed,
-or its router negated. Then:
+noise of a known size per sample, two rigged copies of the checkpoint: one MoE layer's expert weights perturbed,
+or its router negated; and `mine` merged into the weights by PEFT (merge_and_unload), also with that layer's experts
+perturbed. Then:
 
 1. rigged experts / router (`--against-model`): that layer is the first divergent one, in both measurements, with
-   every error before it exactly 0 and no flips before it; layer by layer, every error after it is 0 too;
+   every error before it exactly 0 and no flips before it; layer by layer, every error after it is 0 too; side B
+   runs the same adapters there (the default), so the adapters' rows name that layer too; against the merged
+   checkpoint without adapters (`--against-adapters none`), `mine`'s rows agree within float32 rounding (no
+   divergent layer), or part at the rigged layer; run.json and the reports say which side B ran; bad combinations
+   exit 2;
 2. bf16 engine against float32: errors everywhere, growing (free-running), and no first divergent layer;
 3. lora_rel_effect: exactly 0 for the zeroed v_proj of every layer, > 0 for every other targeted module;
 4. samples: the ones with the largest k2, per adapter, with k2 as the metrics code computes it;
@@ -20,6 +25,7 @@ Seeds are fresh every run (the `seed` / `session_seed` fixtures print them).
 
 from __future__ import annotations
 
+import html
 import importlib
 import json
 import shutil
@@ -32,7 +38,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from lora_eval import Batch, Engine, EngineOptions, diagnose
+from lora_eval import Batch, Engine, EngineOptions, InputError, diagnose
 from lora_eval.cli import cli
 from lora_eval.diagnose import FACTOR, first_divergence, noise_floor
 from lora_eval.diagnose_report import diagnose_report_files
@@ -43,7 +49,7 @@ from lora_eval.models import load_model
 from lora_eval.one_layer import LayerLoader
 from lora_eval.references import read_reference, write_reference
 from lora_eval.results import read_diagnose
-from tests.builders import FAMILIES, random_sequences, save_random_model, save_random_peft_adapter
+from tests.builders import FAMILIES, peft_oracle, random_sequences, save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback, assert_phases
 from tests.conftest import CPU, MOE_OVERRIDES
 
@@ -92,10 +98,17 @@ def art(tmp_path_factory, session_seed) -> Artefacts:
 
     # rigged copies of the checkpoint: one MoE layer (not the first) changed
     a.rigged_layer = int(rng.choice(MOE_LAYERS[1:]))
-    a.experts_model = _rigged_copy(a.model, root / "experts", a.rigged_layer,
-                                   lambda k, v: v * 1.5 + 0.05 * torch.randn_like(v) if ".mlp.experts." in k else v)
+
+    def experts(k, v):
+        return v * 1.5 + 0.05 * torch.randn_like(v) if ".mlp.experts." in k else v
+
+    a.experts_model = _rigged_copy(a.model, root / "experts", a.rigged_layer, experts)
     a.router_model = _rigged_copy(a.model, root / "router", a.rigged_layer,
                                   lambda k, v: -v if k.endswith("mlp.gate.weight") else v)
+    # `mine` merged into the weights, as a server runs it (W + s B A, by PEFT), and that with the rigged layer
+    a.merged_model = root / "merged"
+    peft_oracle(a.model, a.mine).merge_and_unload().save_pretrained(a.merged_model, save_original_format=True)
+    a.merged_experts_model = _rigged_copy(a.merged_model, root / "merged-experts", a.rigged_layer, experts)
     return a
 
 
@@ -162,13 +175,109 @@ def test_a_changed_router_is_the_first_divergence_and_flips_there(art, layer_by_
     assert all(0 <= e < 6 and n > 0 for e, n in flips[L]["flipped_in"] + flips[L]["flipped_out"])
 
 
-def test_against_model_runs_adapter_rows_without_their_adapter(art):
-    """Side B, another checkpoint, has no adapters: an adapter row parts from it at once (layer 0)."""
+@pytest.mark.parametrize("layer_by_layer", [False, True], ids=["free-running", "layer-by-layer"])
+def test_against_another_checkpoint_of_the_base_side_b_runs_the_same_adapters(art, layer_by_layer):
+    """Side B another checkpoint of the same base (one layer's experts changed, as a quantized release differs) runs
+    the same adapters by default: every adapter's rows, as the base's, agree bit for bit up to that layer and part
+    there (without their adapters on side B they would part at layer 0)."""
+    L = art.rigged_layer
     result = diagnose(art.model, art.adapters, [art.ref_path], options=CPU, samples=1,
-                      against_model=art.experts_model, quiet=True, notice=lambda s: None)
-    assert _first(result, "base") == art.rigged_layer
-    assert _first(result, "mine") == 0 and _first(result, "emb") == 0
-    assert result.record["side_b"]["adapters"].startswith("none")
+                      against_model=art.experts_model, layer_by_layer=layer_by_layer, quiet=True, notice=lambda s: None)
+    for tag in ("base", "mine", "emb"):
+        entry = result.record["adapters"][tag]
+        assert _first(result, tag) == L and entry["trigger"]["trigger"] == "drift", (tag, entry)
+        assert all(entry["drift"][str(layer)] == 0 for layer in range(L)), (tag, entry["drift"])
+        errors = _errors(result, tag)
+        before, at = errors[errors["layer"] < L], errors[errors["layer"] == L].set_index("point")
+        assert len(before) and (before["rel_error"] == 0).all() and (before["router_flip_rate"].dropna() == 0).all()
+        assert at.loc["attention", "rel_error"] == 0 and at.loc["router", "rel_error"] == 0, (tag, at)
+        assert at.loc["moe", "rel_error"] > 0.1 and at.loc["residual", "rel_error"] > 1e-3, (tag, at)
+    assert result.record["side_b"]["adapters"] == "same" and result.record["side_b"]["merged_adapter"] is None
+
+
+@pytest.mark.parametrize("layer_by_layer", [False, True], ids=["free-running", "layer-by-layer"])
+def test_against_a_merged_checkpoint_side_b_runs_without_adapters(art, layer_by_layer):
+    """`--against-adapters none`: side B is `mine` merged into the weights (PEFT's merge_and_unload), run without
+    adapters. `mine`'s rows on the engine compute W x + s B (A x), side B (W + s B A) x: equal within float32 rounding,
+    so no divergent layer; with one layer's experts changed in the merged checkpoint, that layer. The reference's base
+    and `emb` rows are left out: the merged model computes neither."""
+    kwargs = dict(options=CPU, samples=SAMPLES, against_adapters="none", layer_by_layer=layer_by_layer, quiet=True,
+                  notice=lambda s: None)
+    result = diagnose(art.model, {"mine": art.mine}, [art.ref_path], against_model=art.merged_model, **kwargs)
+    side_b = result.record["side_b"]
+    assert side_b["adapters"] == "none" and side_b["merged_adapter"] == "mine"
+    assert f"({2 * PER_TAG} left out)" in side_b["note"]
+    assert list(result.record["adapters"]) == ["mine"] and set(result.layers["adapter"]) == {"mine"}
+    assert _first(result, "mine") is None, result.record["adapters"]["mine"]
+    mine = _errors(result, "mine")
+    assert set(mine["layer"]) == set(range(LAYERS))
+    assert (mine["rel_error"] < 1e-5).all() and (mine["rel_error"] > 0).any(), mine  # rounding, not 0 and not more
+    assert (mine["router_flip_rate"].dropna() == 0).all()
+
+    L = art.rigged_layer
+    rigged = diagnose(art.model, {"mine": art.mine}, [art.ref_path], against_model=art.merged_experts_model, **kwargs)
+    assert _first(rigged, "mine") == L, rigged.record["adapters"]["mine"]
+    mine = _errors(rigged, "mine")
+    at = mine[mine["layer"] == L].set_index("point")
+    assert (mine[mine["layer"] < L]["rel_error"] < 1e-5).all() and at.loc["attention", "rel_error"] < 1e-5
+    assert at.loc["moe", "rel_error"] > 0.1 and at.loc["residual", "rel_error"] > 1e-3
+
+
+def test_cli_records_which_adapters_side_b_ran_and_refuses_what_cannot_work(art, tmp_path, monkeypatch):
+    """run.json (arguments, resolved, fingerprint), diagnose.json, .md, .html and the terminal say which side B ran;
+    a bad value or combination, and adapters that do not fit --against-model's shapes, exit 2 with one line before
+    any model loads."""
+    L = art.rigged_layer
+    common = ["diagnose", "--model", art.model, "--samples", 1, "--device", "cpu", "--quiet"]
+    ref = ["--reference", art.ref_path]
+    runs = {"same": (art.experts_model, ["--adapter", f"mine={art.mine}", "--adapter", f"emb={art.emb}"]),
+            "none": (art.merged_model, ["--adapter", f"mine={art.mine}", "--against-adapters", "none"])}
+    for choice, (against, extra) in runs.items():  # "same" as the default: not given
+        out = tmp_path / choice
+        done = run_cli(*common, *ref, "--out", out, "--against-model", against, *extra)
+        assert_no_traceback(done)
+        assert done.exit_code == 0, (done.stdout, done.stderr, done.exception)
+        run = json.loads((out / "run.json").read_text())
+        assert run["arguments"]["against_adapters"] == choice and run["resolved"]["against_adapters"] == choice
+        assert run["fingerprint"]["options"]["against_adapters"] == choice
+        diagnosis = json.loads((out / "diagnose.json").read_text())
+        side_b = diagnosis["side_b"]
+        assert side_b["adapters"] == choice and side_b["model"] == str(against)
+        line = f"`{against}`, float32 on cpu, torch backend, {side_b['note']}."
+        assert line in (out / "diagnose.md").read_text() and html.escape(line) in (out / "diagnose.html").read_text()
+        assert side_b["note"] in done.stdout
+        firsts = {tag: entry["first_divergent_layer"] for tag, entry in diagnosis["adapters"].items()}
+        if choice == "same":
+            assert side_b["merged_adapter"] is None and side_b["note"].startswith("with the same adapters as side A")
+            assert firsts == {"base": L, "mine": L, "emb": L}
+        else:
+            assert side_b["merged_adapter"] == "mine" and side_b["note"].startswith("without adapters")
+            assert firsts == {"mine": None}
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model loaded before its inputs were checked")
+
+    monkeypatch.setattr(Engine, "load", no_load)
+    monkeypatch.setattr(LayerLoader, "load", no_load)
+    wider = save_random_model(tmp_path / "wider", "qwen3_moe", seed=1, num_hidden_layers=LAYERS,
+                              **dict(MOE_OVERRIDES, moe_intermediate_size=12))  # only the experts' width differs
+    out = tmp_path / "refused"
+    mine = ["--adapter", f"mine={art.mine}"]
+    for bad, needles in (
+            ([*ref, "--against-model", art.merged_model, *mine, "--against-adapters", "merged"],
+             ["--against-adapters", "'merged'", "'same'", "'none'"]),
+            ([*ref, *mine, "--against-adapters", "none"], ["--against-adapters", "needs --against-model"]),
+            ([*ref, "--against-model", art.merged_model, *mine, "--adapter", f"emb={art.emb}", "--against-adapters",
+              "none"], ["--against-adapters", "exactly that one --adapter (given: mine, emb)"]),
+            (["--reference", art.base_ref, "--against-model", art.merged_model, *mine, "--against-adapters", "none"],
+             [str(art.base_ref), "no sample runs under adapter 'mine'", "the dumps name: base"]),
+            ([*ref, "--against-model", wider, *mine, "--adapter", f"emb={art.emb}"],
+             [str(art.mine / "adapter_model.safetensors"), "mlp.experts", f"on --against-model {wider}"])):
+        assert_input_error(run_cli(*common, "--out", out, *bad), *needles)
+        assert not out.exists() and not out.with_name("refused.partial").exists()
+    with pytest.raises(InputError, match="--against-adapters: 'merged' is not one of same, none"):
+        diagnose(art.model, {"mine": art.mine}, [art.ref_path], against_model=art.merged_model,
+                 against_adapters="merged", quiet=True)
 
 
 # ---- 2. bf16 against float32 -------------------------------------------------------------------------------
@@ -290,7 +399,7 @@ def test_cli_writes_the_run_folder_reuses_it_and_refuses_bad_input(art, tmp_path
     helped = run_cli("diagnose", "--help")
     text = " ".join(helped.stdout.split())
     assert helped.exit_code == 0 and "Exit codes: 0 pass" in text
-    assert text.split("Examples:")[1].count("lora-eval ") == 3
+    assert text.split("Examples:")[1].count("lora-eval ") == 4
 
     missing = tmp_path / "missing.parquet"
     bad = [{art.ref_path: missing, out: tmp_path / "other"}.get(a, a) for a in args]
