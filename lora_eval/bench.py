@@ -21,6 +21,8 @@ gather). FLOPs count useful work only, the same for both systems: 2 x active mat
 and MLP projections, the router, top-k experts, lm_head; the embedding lookup is free) x tokens, plus the adapter's
 active parameters on adapter rows, plus causal attention 2 x 2 x n(n+1)/2 x heads x head_dim per layer per row.
 Every ours row carries the largest |ours - hf| logprob difference on the same batch (like for like).
+A config's quantization_config is not applied (`unquantized`: random weights in the compute dtype, said in the note
+column); `small_config` scales a config's widths down for the tests, which run every published config through here.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from .errors import InputError, UnsupportedError
 from .models import family_and_args, load_model_from_tensors
 from .models.layers import FusedExperts, Linear
 from .progress import progress
+from .quantized import KEY as QUANTIZATION_KEY
+from .quantized import read_quantization
 from .references import write_reference
 from .trainer import quiet_libraries
 
@@ -51,6 +55,14 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # expert stacks and routers named in target_parameters (those the model has: gpt-oss calls its router mlp.router)
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight", "mlp.router.weight"]
 ADAPTER_STRENGTH = 0.2  # RMS of a LoRA delta relative to the RMS of the weight it adapts
+# small_config: test sizes of the width keys a config has (2I != H and I != H: a swapped or transposed expert factor
+# cannot pass by coincidence; v_head_dim != qk head dims; a sliding window shorter than a test's rows)
+SMALL_SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_attention_heads=4, head_dim=16,
+                   vocab_size=128, num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+                   experts_per_token=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=16, sliding_window=8)
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # ids into the real vocabulary
+NOTE_SEPARATOR = " | "  # between the notes of one row (the model's, the case's); the CLI prints each once
 
 
 def random_reference(path: str | Path, samples: int, vocab: int, seed: int, lengths=(128, 2048)) -> Path:
@@ -94,6 +106,40 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
             config["layer_types"] = config["layer_types"][:layers]
     family_and_args(config, path)  # our own checks (family, sizes) before transformers sees the config
     return config
+
+
+def small_config(config: dict) -> dict:
+    """`config` at test widths: each SMALL_SIZES key it has takes that size, key/value heads 2 (or as many as the
+    attention heads where the config has equal counts: MLA), router groups at most 4 of which 2 are kept, token ids
+    dropped. Family, layer pattern (dense first layers, layer_types), rope and routing rules stay, so bench runs
+    it on the code path of the full-size config, in seconds on a CPU (tests/test_bench.py does, for every config in
+    benchmarks/configs/)."""
+    small = dict(config)
+    small.update({key: size for key, size in SMALL_SIZES.items() if key in config})
+    if "num_key_value_heads" in config:
+        equal = config["num_key_value_heads"] == config.get("num_attention_heads")
+        small["num_key_value_heads"] = small["num_attention_heads"] if equal else 2
+    if "n_group" in config:
+        small["n_group"] = min(config["n_group"], 4)  # 8 experts: groups of 2 or more
+        small["topk_group"] = min(config.get("topk_group", 1), 2)
+    for key in TOKEN_IDS:
+        small.pop(key, None)
+    return small
+
+
+def unquantized(config: dict, where, dtype: str) -> tuple[dict, str]:
+    """(config without its quantization_config, a note saying so; "" when it has none). bench's weights are random,
+    drawn in the compute dtype at the unquantized shapes: lora-eval dequantises an mxfp4 / fp8 release to that
+    dtype on load anyway, so ours runs as on the release; transformers' quantized kernels are not timed. A method we
+    do not compute is refused by name (read_quantization)."""
+    quant = read_quantization(config, where)
+    if quant is None:
+        return config, ""
+    scheme = quant.method + (f" block {quant.block[0]}x{quant.block[1]}" if quant.block else "")
+    note = (f"{QUANTIZATION_KEY} ({scheme}) not applied: both systems run random {dtype} weights of the same shapes "
+            f"(lora-eval dequantises a {quant.method} release to the compute dtype on load; transformers' "
+            f"{quant.method} kernels are not timed)")
+    return {key: value for key, value in config.items() if key != QUANTIZATION_KEY}, note
 
 
 def random_hf_model(config: dict, dtype: torch.dtype, device: torch.device, seed: int):
@@ -144,13 +190,13 @@ def make_peft_adapters(hf_model, names: list[str], rank: int, targets: str, seed
     from peft import __version__ as peft_version
     from peft import get_peft_model
 
-    wants_experts = targets != "attn" and any(name.endswith("experts.gate_up_proj")
-                                              for name, _ in hf_model.named_parameters())
+    # the plain model's parameter names, read before PEFT wraps its modules in place (base_layer, lora_A, ...)
+    params = [name for name, _ in hf_model.named_parameters()]
+    wants_experts = targets != "attn" and any(name.endswith("experts.gate_up_proj") for name in params)
     explicit, note = (), ""
     model = get_peft_model(hf_model, peft_config(targets, rank), adapter_name=names[0], autocast_adapter_dtype=False)
     if wants_experts and not _wrapped_experts(model):  # this PEFT left the experts alone: name their parameters
-        names = [name for name, _ in hf_model.named_parameters()]
-        explicit = tuple(p for p in EXPERT_PARAMETERS if any(name.endswith(p) for name in names))
+        explicit = tuple(p for p in EXPERT_PARAMETERS if any(name.endswith(p) for name in params))
         note = f"PEFT {peft_version} did not resolve the experts from target_modules; the adapters name them in " \
                "target_parameters (gate_up at rank r)"
         try:
@@ -163,6 +209,14 @@ def make_peft_adapters(hf_model, names: list[str], rank: int, targets: str, seed
             raise UnsupportedError("--targets", f"PEFT {peft_version} does not wrap this model's experts")
     for name in names[1:]:  # a fresh config each: PEFT resolves target names into the one it is given
         model.add_adapter(name, peft_config(targets, rank, explicit), autocast_adapter_dtype=False)
+    for name in names:
+        # PEFT's renaming for transformers 5 adds the expert parameters to target_parameters by model type, experts
+        # or not (DeepSeek-V3 cut to its dense first layers): the saved config keeps the entries that match a
+        # parameter (the name or a suffix after a dot, as PEFT and our loader match), as our loader refuses others
+        config = model.peft_config[name]
+        if config.target_parameters:
+            config.target_parameters = [entry for entry in sorted(config.target_parameters)
+                                        if any(p == entry or p.endswith(f".{entry}") for p in params)] or None
     randomise_adapters(model, names, seed)
     return model.eval(), note
 
@@ -330,8 +384,17 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
         raise InputError("--device", "CUDA was asked for but torch sees no GPU")
     shapes = [parse_batch(b) for b in batches]
     config = read_model_config(config_path, layers)
-    if targets == "experts" and not (config.get("num_experts") or config.get("num_local_experts")):
-        raise InputError("--targets", f"'experts' needs a model with MoE layers; {config_path} describes none")
+    model_notes = []
+    if not family_and_args(config, config_path)[1].sparse_layers:
+        if targets == "experts":
+            raise InputError("--targets", f"'experts' needs a model with MoE layers; {config_path} describes none in "
+                             f"its first {config['num_hidden_layers']} layers")
+        moe = family_and_args(read_model_config(config_path), config_path)[1].sparse_layers
+        if moe:  # e.g. DeepSeek-V3's first 3 layers are dense: a user asking for 2 would time no expert
+            model_notes.append(f"--layers {config['num_hidden_layers']} keeps no MoE layer (the first is layer "
+                               f"{moe[0]}): dense layers only; --layers {moe[0] + 1} keeps one")
+    config, quant_note = unquantized(config, config_path, dtype)
+    model_notes.append(quant_note)
     dev, torch_dtype = torch.device(device), DTYPES[dtype]
     names = [f"a{i}" for i in range(adapters)]
     plan = []  # (batch label, case label, row adapters)
@@ -410,7 +473,8 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
         bar.close()
 
     lora_params = adapter_active_params(loaded[0], ours_model.args.top_k)
-    frame = _frame(plan, systems, results, passes, token_rows, ours_model, lora_params, note)
+    frame = _frame(plan, systems, results, passes, token_rows, ours_model, lora_params, note,
+                   NOTE_SEPARATOR.join(n for n in model_notes if n))
     meta = dict(model=Path(config_path).stem, layers=config["num_hidden_layers"], adapters=adapters, rank=rank,
                 targets=targets, dtype=dtype, device=dev.type, device_name=_device_name(dev), **env,
                 **_versions(), warmup=warmup, repeat=repeat)
@@ -443,7 +507,8 @@ def _hf_call(peft_model, rows, tags, case, one_pass: bool, device):
     return call, len(used)
 
 
-def _frame(plan, systems, results, passes, token_rows, model, lora_params, note) -> pd.DataFrame:
+def _frame(plan, systems, results, passes, token_rows, model, lora_params, note, model_note="") -> pd.DataFrame:
+    """The table; `note`: the hf rows' (how PEFT made the adapters), `model_note`: every row's (the model built)."""
     base_params = active_params(model)
     records = []
     for system in systems:
@@ -465,7 +530,8 @@ def _frame(plan, systems, results, passes, token_rows, model, lora_params, note)
                 tflops=flops / timing.seconds / 1e12, peak_mem_gb=timing.peak_gb, resident_gb=timing.resident_gb,
                 max_abs_diff=float(diff.max()) if diff is not None else float("nan"),
                 mean_abs_diff=float(diff.mean()) if diff is not None else float("nan"),
-                status=timing.status, note=note if system == "hf" else timing.note))
+                status=timing.status,
+                note=NOTE_SEPARATOR.join(n for n in (model_note, note if system == "hf" else timing.note) if n)))
     frame = pd.DataFrame(records)
     base = frame[frame["case"] == "base"].set_index(["system", "batch"])["ms_per_batch"]
     frame["cost_vs_base"] = frame["ms_per_batch"] / [base[s, b] for s, b in zip(frame["system"], frame["batch"])]

@@ -15,7 +15,7 @@ import click
 import pandas as pd
 import torch
 
-from .bench import bench
+from .bench import NOTE_SEPARATOR, bench
 from .compare import compare
 from .demo import run_demo
 from .diagnose import AGAINST_ADAPTERS, diagnose
@@ -415,7 +415,7 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
              "cost_vs_base", "vs_hf", "max_abs_diff", "status"]
     with pd.option_context("display.width", 200, "display.max_rows", 200, "display.float_format", "{:.4g}".format):
         click.echo(frame[shown].to_string(index=False))
-    for note in dict.fromkeys(n for n in frame["note"] if n):
+    for note in dict.fromkeys(part for n in frame["note"] if n for part in n.split(NOTE_SEPARATOR)):
         click.echo(f"note: {note}")
     if out_path:
         atomic_write(Path(out_path), frame.to_csv(index=False).encode("utf-8"))
