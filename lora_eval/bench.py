@@ -60,7 +60,7 @@ ADAPTER_STRENGTH = 0.2  # RMS of a LoRA delta relative to the RMS of the weight 
 SMALL_SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_attention_heads=4, head_dim=16,
                    vocab_size=128, num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
                    experts_per_token=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                   v_head_dim=16, sliding_window=8)
+                   v_head_dim=16, sliding_window=8, shared_expert_intermediate_size=48)
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # ids into the real vocabulary
 NOTE_SEPARATOR = " | "  # between the notes of one row (the model's, the case's); the CLI prints each once
 
@@ -109,13 +109,13 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
 
 
 def small_config(config: dict) -> dict:
-    """`config` at test widths: each SMALL_SIZES key it has takes that size, key/value heads 2 (or as many as the
+    """`config` at test widths: each SMALL_SIZES key it sets (not null) takes that size, key/value heads 2 (or as many as the
     attention heads where the config has equal counts: MLA), router groups at most 4 of which 2 are kept, token ids
     dropped. Family, layer pattern (dense first layers, layer_types), rope and routing rules stay, so bench runs
     it on the code path of the full-size config, in seconds on a CPU (tests/test_bench.py does, for every config in
     benchmarks/configs/)."""
     small = dict(config)
-    small.update({key: size for key, size in SMALL_SIZES.items() if key in config})
+    small.update({key: size for key, size in SMALL_SIZES.items() if config.get(key) is not None})  # (null stays)
     if "num_key_value_heads" in config:
         equal = config["num_key_value_heads"] == config.get("num_attention_heads")
         small["num_key_value_heads"] = small["num_attention_heads"] if equal else 2

@@ -275,8 +275,9 @@ class MoE(nn.Module):
     def forward(self, x, fwd, residual=None):
         """Routed plus shared experts, added to `residual` [T, H] when given (the layer's residual stream)."""
         logits = fwd.linear_float32(self.gate, x)  # [T, E] float32 (router LoRA in the compute dtype)
-        weights, ids = group_topk_sigmoid_routing(logits, self.gate.e_score_correction_bias, self.top_k,
-                                                  self.n_group, self.topk_group, self.norm_topk_prob,
+        scores = fwd.pointwise(torch.sigmoid, logits)  # [T, E] float32
+        weights, ids = group_topk_sigmoid_routing(scores, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                                                  self.topk_group, self.norm_topk_prob,
                                                   self.scaling)  # [T, k] float32, [T, k]
         fwd.observe_routing(self.gate.site, logits, ids)
         routed = fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]

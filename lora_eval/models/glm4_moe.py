@@ -159,7 +159,8 @@ class MoE(nn.Module):
     def forward(self, x, fwd, residual=None):
         """Routed plus shared experts, added to `residual` [T, H] when given (the layer's residual stream)."""
         logits = fwd.linear_float32(self.gate, x)  # [T, E] float32
-        weights, ids = group_topk_sigmoid_routing(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+        scores = fwd.pointwise(torch.sigmoid, logits)  # [T, E] float32
+        weights, ids = group_topk_sigmoid_routing(scores, self.gate.e_score_correction_bias, self.top_k, self.n_group,
                                                   self.topk_group, self.norm_topk_prob,
                                                   self.routed_scaling_factor)  # [T, k] float32, [T, k]
         fwd.observe_routing(self.gate.site, logits, ids)

@@ -264,23 +264,23 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def group_topk_sigmoid_routing(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
+def group_topk_sigmoid_routing(scores: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
                                topk_group: int, norm_topk_prob: bool,
                                routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid scoring with a selection-only correction bias and group-limited top-k (DeepSeek-V3's "noaux_tc"
     router, also GLM-4.5's), transformers' `Glm4MoeTopkRouter` / `DeepseekV3TopkRouter` op for op:
 
-      scores = sigmoid(logits); choice = scores + correction_bias
+      choice = scores + correction_bias
       experts split into n_group equal groups, each group scored by the sum of its 2 best `choice` values;
       only the topk_group best groups stay eligible; top_k experts by `choice` among them;
       weights = their *uncorrected* scores, divided by their sum (+ 1e-20) if norm_topk_prob, times
       routed_scaling_factor.
 
-    logits [T, E] float32 (the router's, computed in float32 as transformers does), correction_bias [E] float32
-    -> weights [T, k] float32, expert ids [T, k] (in no particular order, as transformers' sorted=False).
-    Plain torch with no host sync, so it serves both backends and CUDA graphs."""
-    T, E = logits.shape
-    scores = logits.sigmoid()  # [T, E]
+    scores [T, E] float32: sigmoid of the router's logits (computed in float32 as transformers does; by the caller,
+    through Forward.pointwise, so that on the CPU a row's scores do not depend on where it sits in the batch),
+    correction_bias [E] float32 -> weights [T, k] float32, expert ids [T, k] (in no particular order, as
+    transformers' sorted=False). Plain torch with no host sync, so it serves both backends and CUDA graphs."""
+    T, E = scores.shape
     choice = scores + correction_bias  # [T, E]
     group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
