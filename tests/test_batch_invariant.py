@@ -157,7 +157,7 @@ def test_torch_backend_rows_do_not_see_their_batch_in_every_family(family, tmp_p
     engine = Engine.load(model_dir, options=CPU)
     rng = random.Random(seed)
     vocab = engine.model.args.vocab_size
-    for length in (7, 13):  # a few lengths: whether a row's gate values fall in a vector's tail depends on T
+    for length in (7, 13, 22):  # a few lengths: whether a row's values fall in a vector's tail depends on T
         target = [rng.randrange(vocab) for _ in range(length)]
         results = [engine.logprobs(batch)[i]
                    for batch, i in batches_around(target, None, seed + length, vocab, tags=(None,))]
