@@ -24,7 +24,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the check imports tests.bui
 GPUS=$(nvidia-smi -L | wc -l)
 WORKERS=${GPU_TEST_WORKERS:-6}
 STEP_S=${STEP_S:-120}  # each check and benchmark's limit, so that the script packs its results inside one call
-[ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS") || XDIST=()
+# loadgroup: the tests of one xdist_group run in one process, one after another (the real-shape tests and the bench of
+# every config: their models, up to 12 GB, would not all fit an H100 at once)
+[ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS" --dist loadgroup) || XDIST=()
 
 check_and_layer() {
   for i in $(seq "${RUNS:-2}"); do

@@ -355,11 +355,13 @@ def test_peft_fallback_keeps_the_adapter_names(tmp_path, seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("config_file", PUBLISHED, ids=[p.stem for p in PUBLISHED])
+@pytest.mark.parametrize("config_file", [pytest.param(p, marks=pytest.mark.xdist_group("bench-configs"))
+                                         for p in PUBLISHED], ids=[p.stem for p in PUBLISHED])
 def test_every_published_config_benches_on_cuda(config_file, tmp_path):
     """The real shapes, bf16, two layers, our engine only (--skip-hf): exit 0 and finite figures for every config
     of benchmarks/configs/ (the largest, Qwen3-235B-A22B's two MoE layers, is 12.5 GB; DeepSeek-V3's first two
-    layers are dense, which the note says)."""
+    layers are dense, which the note says). One pytest-xdist group (`--dist loadgroup`): one such model at a time
+    beside the other GPU tests (about 80 s in all on an H200)."""
     out = tmp_path / "bench.csv"
     try:
         result = CliRunner().invoke(cli, ["bench", "--config", str(config_file), "--layers", "2", "--adapters", "1",
