@@ -7,7 +7,7 @@
 # moe_layer.*, bench_invariant.*; one file, as the device tool returns at most 8) and gpu_tests.log beside it.
 #   bash benchmarks/gpu_suite.sh            (on the device tool: OUT is set; elsewhere OUT defaults to ./gpu-out)
 # GPU_TESTS_ARGS go to pytest, CHECK_ARGS to mixed_batch_check.py, MOE_BENCH_ARGS to moe_layer.py; STEP_S (120)
-# limits each check and benchmark (a cut one's log says so: no summary line).
+# limits each check and benchmark, BENCH_S (STEP_S) the last benchmark (a cut one's log says so: no summary line).
 # The tests run in GPU_TEST_WORKERS (6) pytest-xdist processes on one GPU: a serial run spends most of its time
 # compiling Triton kernels one after another on one CPU core, which processes do side by side (H200: 463 s serially
 # at 7d35a35, 139 s in 4 processes at 0fceba8; H100, 16 cores: 184 s in 4 processes, 174 s in 6 at 62a3f15;
@@ -44,7 +44,7 @@ check_and_layer() {
     > "$RES/moe_layer.log" 2>&1
   tail -n 16 "$RES/moe_layer.log"
   # the batch-invariant mode's cost beside the default, one process (issue #23 item 2)
-  timeout "$STEP_S" lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --adapters 1 \
+  timeout "${BENCH_S:-$STEP_S}" lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --adapters 1 \
     --batch 4x1024 --repeat 7 --also-invariant --quiet --out "$RES/bench_invariant.csv" \
     > "$RES/bench_invariant.log" 2>&1
   tail -n 12 "$RES/bench_invariant.log"
