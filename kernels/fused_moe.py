@@ -13,12 +13,13 @@ where an expert dim of 1 is shared by all experts (broadcast), scaling folded in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from .linear import ROWS, linear_ref
+from .linear import linear_ref, pointwise_in_blocks
 from .tiles import (ALL_SLOTS_MAX, GEMM_SMEM, MOE_CONFIGS, MOE_SHRINK_SMEM, MOE_SHRINK_TILES, SUM_BLOCKS,
                     SUM_LORA_BLOCKS, MoeConfig)
 
@@ -33,18 +34,6 @@ def activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu
         return F.silu(gate) * up
     gate = gate.clamp(max=limit)
     return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(alpha * gate))
-
-
-def _blocked_activation(gate_up: torch.Tensor, I: int, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """activation_ref of gate_up [n, 2I] with gate and up first copied into contiguous whole ROWS-row blocks, so
-    that every row goes through the same vectorised CPU code whatever n is (elementwise kernels compute a short
-    tail or a strided view with other code, a few ulps apart): the reference stays batch-invariant."""
-    n = gate_up.shape[0]
-    padded = -(-n // ROWS) * ROWS
-    gate = gate_up.new_zeros(padded, I)  # [n', I]
-    up = gate_up.new_zeros(padded, I)  # [n', I]
-    gate[:n], up[:n] = gate_up[:, :I], gate_up[:, I:]
-    return activation_ref(gate, up, activation, alpha, limit)[:n]  # [n, I]
 
 
 def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token_slots=None, *,
@@ -64,7 +53,8 @@ def fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora=None, token
             A, B = lora.gate_up_A[slot], lora.gate_up_B[slot]
             delta = linear_ref(linear_ref(xe[rows], A[e % A.shape[0]]), B[e % B.shape[0]])  # [m, 2I]
             gate_up.index_add_(0, rows, delta)
-        act = _blocked_activation(gate_up, I, activation, alpha, limit)  # [n, I]
+        act = pointwise_in_blocks(functools.partial(activation_ref, activation=activation, alpha=alpha, limit=limit),
+                                  gate_up[:, :I], gate_up[:, I:])  # [n, I], every value on the vector path
         ye = linear_ref(act, w_down[e], None if down_bias is None else down_bias[e])  # [n, H]
         for slot, rows in groups:
             A, B = lora.down_A[slot], lora.down_B[slot]

@@ -300,9 +300,10 @@ class Engine:
         log p(candidate | whole row) at each row's last position.
         The same forward as `logprobs`, but lm_head and the log-softmax over the vocabulary run for the last
         positions only (multiple-choice scoring). Every row runs with one padding token after it, so that no
-        scored position is among the last elements of a batch tensor, which some plain-torch elementwise ops
-        (F.silu) compute on a scalar path a few ulps off the vectorised one: without it a row's scores would
-        depend on its batch (`logprobs` never reads a row's last position)."""
+        scored position is among the last elements of a batch tensor, which plain-torch elementwise ops (F.silu)
+        computed on a scalar path a few ulps off the vectorised one (`logprobs` never reads a row's last position).
+        The torch path now runs those ops in whole vector steps (Forward.pointwise); the padding stays, and with it
+        the forward's shapes on both backends."""
         device = self.model.inv_freq.device
         vocab = self.model.args.vocab_size
         if not candidates or not all(0 <= c < vocab for c in candidates):

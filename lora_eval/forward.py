@@ -268,11 +268,12 @@ class Forward:
                                                                  module.eps))
         return y
 
-    def pointwise(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """fn (an elementwise op) of a narrow x [T, n]: on the torch path in fixed row blocks, whose values all take
-        torch's vectorised path (kernels/linear.py pointwise_in_blocks), so that a row's result does not depend on
-        where it sits in the batch; on the GPU as it is."""
-        return fn(x) if self.triton else pointwise_in_blocks(fn, x)
+    def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:
+        """fn (an elementwise op: sigmoid, silu) of xs (tensors of one shape whose size follows the batch, e.g.
+        [T, n]): on the torch path zero-padded to whole vector steps, in calls that each run on one thread
+        (kernels/linear.py pointwise_in_blocks), so that a row's result does not depend on where it sits in the batch
+        or on the batch's size; on the GPU as it is."""
+        return fn(*xs) if self.triton else pointwise_in_blocks(fn, *xs)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x [B, L, heads, D] by cos/sin [B, L, D] -> [B, heads, L, D], the attention layout."""
