@@ -17,6 +17,13 @@ rank fails every rank with the same exit code; the lowest failing rank prints th
 others exit quietly (PeerFailed). A rank whose work fails marks it in the process group's store, and the others stop
 after their current unit instead of finishing their share. SIGINT / SIGTERM (torchrun stops the other workers
 when one dies) stop each rank after its current unit, its parts kept.
+
+Once a job's outcome is decided (an exchange found a failure; the run's final exchange, RunFolder.finish; a complete
+run found in the folder), SIGTERM stops nothing more: every rank leaves with that outcome. torchrun sends SIGTERM to
+the ranks still running as soon as one exits, and a rank exits with 1 when the thresholds are crossed, so rank 0,
+still writing its summary, printed "interrupted by SIGTERM" instead of the verdict (exit 143); after a failure, the
+failing rank's one line came with an "interrupted by SIGTERM" line of a peer. A rank 0.1-0.15 s late after the last
+exchange (a loaded machine) was enough. Signals arriving during such a collective are held until its outcome is known.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +93,9 @@ class Ranks:
         return box[0]
 
     @contextlib.contextmanager
-    def together(self):
+    def together(self, final: bool = False):
         """Run the block on every rank, then `exchange` the outcomes (Interrupted passes at once: the peers are being
-        stopped too)."""
+        stopped too). `final`: the job's last exchange (module notes)."""
         error = None
         try:
             yield
@@ -94,17 +103,21 @@ class Ranks:
             raise
         except Exception as e:  # noqa: BLE001 - every failure is shared, then raised again by exchange
             error = e
-        self.exchange(error)
+        self.exchange(error, final)
 
-    def exchange(self, error: Exception | None) -> None:
+    def exchange(self, error: Exception | None, final: bool = False) -> None:
         """Every rank's outcome to every rank. If any rank failed, every rank raises: the lowest rank with an error
         of its own raises that error (marked with its rank where not every rank failed alike), the others PeerFailed
-        with its exit code. A rank that stopped because a peer failed (PeerFailed) only follows."""
+        with its exit code. A rank that stopped because a peer failed (PeerFailed) only follows. A failure, or a
+        `final` exchange, decides the job's outcome: SIGTERM is ignored from then on (module notes)."""
         own = error is not None and not isinstance(error, PeerFailed)
         outcome = None if error is None else (exit_code(error), f"{error}", own)
         outcomes = [None] * self.world
-        dist.all_gather_object(outcomes, outcome)
-        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        with held_signals() as held:
+            dist.all_gather_object(outcomes, outcome)
+            failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+            if failed or final:
+                held.conclude()
         if not failed:
             return
         first, (code, _, _) = next(((r, o) for r, o in failed if o[2]), failed[0])
@@ -128,13 +141,44 @@ class Ranks:
         return _store().check([FAILED])
 
 
+class held_signals:
+    """`with held_signals() as held:` around a collective whose outcome decides what a stop means. Inside, SIGINT and
+    SIGTERM are recorded, not handled. On leaving, the handlers in place before are back and the first signal
+    recorded is raised again (handled now), unless `held.conclude()` was called inside: the job's outcome is decided
+    and this rank leaves with it, so SIGTERM is ignored from then on (set before the block ends: there is no moment
+    with the old handler back) and what was recorded is dropped. Signals reach Python's main thread only: elsewhere
+    nothing is held."""
+
+    def __init__(self):
+        self.signals: list[int] = []
+        self.concluded = False
+        self._restore: dict = {}
+
+    def __enter__(self) -> "held_signals":
+        if threading.current_thread() is threading.main_thread():
+            self._restore = {signum: signal.signal(signum, lambda signum, frame: self.signals.append(signum))
+                             for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def conclude(self) -> None:
+        self.concluded = True
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if self.concluded and self._restore:
+            self._restore[signal.SIGTERM] = signal.SIG_IGN
+        for signum, handler in self._restore.items():
+            signal.signal(signum, handler)
+        if self._restore and self.signals and not self.concluded and kind is None:
+            signal.raise_signal(self.signals[0])  # the stop asked for meanwhile, now
+
+
 def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def together(ranks: "Ranks | None"):
-    """`ranks.together()`, or nothing to share for one process."""
-    return contextlib.nullcontext() if ranks is None else ranks.together()
+def together(ranks: "Ranks | None", final: bool = False):
+    """`ranks.together(final)`, or nothing to share for one process."""
+    return contextlib.nullcontext() if ranks is None else ranks.together(final)
 
 
 def exit_code(error: BaseException) -> int:

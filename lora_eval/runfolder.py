@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .distributed import PeerFailed, Ranks, assign, together
+from .distributed import PeerFailed, Ranks, assign, held_signals, together
 from .errors import EXIT_INTERNAL, InputError, Interrupted
 from .progress import progress
 
@@ -366,7 +366,10 @@ class RunFolder:
                     self._lock.release()
                     raise
         if self.ranks is not None:
-            self.stored = self.ranks.share(self.stored)
+            with held_signals() as held:
+                self.stored = self.ranks.share(self.stored)
+                if self.stored is not None:  # a complete run: every rank reports it and leaves (distributed.py)
+                    held.conclude()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -483,7 +486,7 @@ class RunFolder:
     def finish(self, work: "Work", merge, reread):
         """The run's end: `merge(every unit's rows)` builds the result and commits it. With data-parallel ranks,
         rank 0 merges every rank's parts while the others wait, and they return the run as committed (`reread()`)."""
-        with together(self.ranks):
+        with together(self.ranks, final=True):  # the job's last exchange: then every rank reports and leaves
             result = merge(work.results()) if self.leads else None
         return result if self.leads else reread()
 

@@ -10,6 +10,14 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run through the interpreter on CPU-only machines
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter's tl.dot is numpy's BLAS, whose summation order follows the CPU and a row's place among the
+    # others: the suite's bit-equality claims (a row's bits whatever the rows around it) held on AVX-512 machines
+    # and failed on AVX2 ones (issue 41). This dot sums every element in one fixed order, the same on any CPU
+    # (tests/interpreter_dot.py; checked against a hostile BLAS in tests/kernels/test_interpreter_dot.py).
+    from tests.interpreter_dot import install
+
+    install()
 
 # Tests use tiny tensors: intra-op threads only add overhead, and on a busy 2-core machine spinning OpenMP
 # threads made some modules ~20x slower (50 s instead of 3 s). One thread for the whole run.

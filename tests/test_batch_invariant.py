@@ -81,7 +81,10 @@ def test_interpreter_rows_do_not_see_their_batch(moe_model, adapters, seed, monk
     """The Triton path in the interpreter with the mode on: every row bitwise the same across batches, with no
     F.linear and no SDPA inside the forward (both would follow the batch's size on a GPU); with the mode off the
     same forward calls them (so the check above means something). First and last only: the interpreter takes
-    seconds a batch, and the GPU test below covers the middle and the larger batch (another graph bucket)."""
+    seconds a batch, and the GPU test below covers the middle and the larger batch (another graph bucket).
+    Kept on the CPU: with the suite's fixed-order interpreter dot (tests/interpreter_dot.py) a row's bits follow from
+    the row alone on any CPU, as the kernels' tiles do on a GPU; with numpy's BLAS they moved with the row's place in
+    a tile on AVX2 machines (issue 41)."""
     engine = Engine.load(moe_model, adapters, replace(CPU, backend="triton", batch_invariant=True))
     calls = []
     for name in ("linear", "scaled_dot_product_attention"):

@@ -153,12 +153,14 @@ def art(tmp_path_factory, moe_model, session_seed) -> Artefacts:
 
 def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    t0 = time.perf_counter()
+    # the demo's CPU time (it runs in this process, one thread), not the wall clock: on a machine shared with other
+    # jobs the wall clock measures them too (the demo took 3.0 s of CPU, 3.0 s wall when idle, on a 2-core Xeon)
+    t0 = time.process_time()
     result = run_cli("demo", "--out", out, "--quiet")
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert_no_traceback(result)
     assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
-    assert elapsed < 60, f"demo took {elapsed:.1f} s"
+    assert elapsed < 60, f"demo took {elapsed:.1f} s of CPU"
 
     report = out / "report"
     for name in ("summary.csv", "samples.csv", "tokens.parquet", "report.md", "run.json"):

@@ -504,6 +504,7 @@ def test_on_the_triton_path_the_probe_changes_nothing_and_sees_the_torch_numbers
 
     triton, oracle = (Engine.load(art.model, art.adapters, replace(CPU, backend=b)) for b in ("triton", "torch"))
     seen, expected = {}, {}
+    # the same rows in the same batch twice: equal on any CPU (the same operations on the same operands)
     assert torch.equal(forward(triton, None), forward(triton, lambda i, p, t: seen.setdefault((i, p), t.clone())))
     forward(oracle, lambda i, p, t: expected.setdefault((i, p), t.clone()))
     assert seen.keys() == expected.keys()

@@ -16,12 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lora_eval.cli import _terminate as cli_terminate
 from lora_eval.demo import run_demo
 from lora_eval.distributed import PeerFailed, Ranks, assign
 from lora_eval.errors import InputError
@@ -42,6 +44,19 @@ if os.environ.get("RANK") == "1":  # rank 1's third batch fails
     Engine.start_logprobs = failing
 '''
 
+LATE_RANK_0 = '''import os
+if os.environ.get("RANK") == "0":  # rank 0 half a second late with its summary, as a loaded machine makes it
+    import time
+    import lora_eval.cli as cli
+    original = cli.summary_text
+
+    def late(*args, **kwargs):
+        time.sleep(0.5)
+        return original(*args, **kwargs)
+
+    cli.summary_text = late
+'''
+
 
 def torchrun(ranks: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
     """`torchrun --standalone --nproc-per-node RANKS --no-python lora-eval ARGS`, quiet, one thread a worker."""
@@ -53,10 +68,41 @@ def torchrun(ranks: int, args: list[str], env: dict | None = None) -> subprocess
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of a torchrun job; its stderr is printed whole, so that a failing test shows every
-    worker's last words (an assertion's message is cut short)."""
-    out, err = proc.communicate(timeout=timeout)
+    worker's last words (an assertion's message is cut short). A job still running after `timeout` seconds (the
+    slowest seen took under 60 s with two runs of this file side by side and 4 busy processes on 2 cores) fails the
+    test after it is stopped, workers included: left running, it would slow every test after it."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun still running after {timeout} s (stopped); its stderr:\n{err[-5000:]}")
     print(f"torchrun exit code {proc.returncode}; its stderr:\n{err}")
     return proc.returncode, out, err
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """torchrun asked to stop (it stops its workers: SIGTERM, then SIGKILL after its own grace period), then killed
+    with them if it has not ended within 60 s. Its workers run in sessions of their own: each is killed by pid."""
+    workers = [int(pid) for pid in children(proc.pid)]
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def children(pid: int) -> list[str]:
+    """The pids of a process's children (torchrun's: its workers)."""
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:  # the process has ended
+        return []
 
 
 def our_lines(stderr: str) -> list[str]:
@@ -119,6 +165,25 @@ def test_a_failing_rank_stops_the_run_in_one_line_and_any_number_of_ranks_resume
     assert tables(out) == tables(art.baseline)
 
 
+def test_a_late_rank_0_still_gives_the_verdict(art, tmp_path):
+    """The thresholds crossed (art's random reference): every rank exits 1, the others at once, and torchrun then
+    sends SIGTERM to the ranks still running. Rank 0, half a second late with its summary (sitecustomize), printed
+    "interrupted by SIGTERM" instead of the verdict and exited 143 (seen under load); now the run's final exchange
+    decides the outcome and SIGTERM stops nothing after it. Then the same command again: the folder's complete run
+    reported, as late, the same way."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(LATE_RANK_0)
+    path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
+    out = tmp_path / "run"
+    for attempt in ("computed", "complete already"):
+        code, stdout, stderr = finish(torchrun(2, compare_args(art, out), {"PYTHONPATH": path}))
+        assert code == 1, (attempt, stdout, stderr)
+        assert not [line for line in our_lines(stderr) if line.startswith("interrupted")], (attempt, stderr)
+        assert len([line for line in stderr.splitlines() if line.startswith("FAILED: ")]) == 1, (attempt, stderr)
+        assert f"report: {out}/report.html" in stdout, (attempt, stdout)
+    assert tables(out) == tables(art.baseline)
+
+
 def test_a_rank_killed_mid_run_then_one_process_resumes(art, tmp_path, seed):
     """SIGKILL to one worker at a random moment after parts exist: torchrun stops the other; one process then
     finishes the run, byte-identical. (A kill that lands after rank 0's commit leaves the run complete: then it
@@ -127,7 +192,7 @@ def test_a_rank_killed_mid_run_then_one_process_resumes(art, tmp_path, seed):
     proc = torchrun(2, compare_args(art, out))
     assert wait_for(lambda: parts(out) >= 2 or proc.poll() is not None)
     time.sleep(rng.uniform(0, 0.2))
-    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    workers = children(proc.pid)
     assert workers and proc.poll() is None, "the run ended before a worker could be killed"
     os.kill(int(rng.choice(workers)), signal.SIGKILL)
     code, _, stderr = finish(proc)
@@ -157,23 +222,79 @@ def _error(spec):
             "peer": lambda: PeerFailed(value)}[kind]()
 
 
-def _exchange(rank: int, init: str, errors, results):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+# A peer that never comes (a crashed or starved process) fails the collective after this long rather than gloo's
+# default 30 minutes; the slowest exchange seen took under 60 s, its processes' start-up included, with two runs of
+# this file side by side and 4 busy processes on a 2-core machine.
+GLOO_TIMEOUT = timedelta(seconds=300)
+
+
+MODES = [(False, False), (True, False), (True, True)]  # (a SIGTERM arrives during the exchange, the job's final one)
+
+
+def _exchanges(rank: int, init: str, results):
+    """Every case of CASES in one process group (one spawn: the processes' start-up is most of the time) in every
+    mode of MODES: plainly; with a SIGTERM arriving while the outcomes are exchanged (torchrun sends it to every rank
+    still running as soon as one exits, which is while the others may still be inside the exchange); and so in the
+    job's final exchange (RunFolder.finish's). The CLI's SIGTERM handler is in place, as in a real run (cli.py)."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=GLOO_TIMEOUT)
+    gather = dist.all_gather_object
+
+    def sigterm_then_gather(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # pending now; Python runs the handler inside the gather's own code
+        return gather(*args, **kwargs)
+
     try:
-        Ranks(rank=rank, world=2, local_rank=rank).exchange(None if errors[rank] is None else _error(errors[rank]))
-        results[rank] = None
-    except Exception as e:  # noqa: BLE001 - what was raised is the result
-        results[rank] = (type(e).__name__, getattr(e, "rank", None), getattr(e, "code", None))
+        for sigterm, final in MODES:
+            for case, (errors, _) in CASES.items():
+                signal.signal(signal.SIGTERM, cli_terminate)
+                dist.all_gather_object = sigterm_then_gather if sigterm else gather
+                try:
+                    Ranks(rank=rank, world=2, local_rank=rank).exchange(
+                        None if errors[rank] is None else _error(errors[rank]), final=final)
+                    raised = None
+                except Exception as e:  # noqa: BLE001 - what was raised is the result
+                    raised = (type(e).__name__, getattr(e, "rank", None), getattr(e, "code", None))
+                finally:
+                    dist.all_gather_object = gather
+                results[(case, sigterm, final, rank)] = raised, signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        dist.barrier()  # neither rank tears the group down while the other may still read its last message
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_exchange_raises_the_first_own_error_once(case, tmp_path):
-    errors, expected = CASES[case]
+@pytest.fixture(scope="module")
+def exchanges(tmp_path_factory) -> dict:
+    """{(case, sigterm, final, rank): (what that rank raised, whether SIGTERM is ignored afterwards)}, from two gloo
+    processes."""
     results = mp.Manager().dict()
-    mp.spawn(_exchange, args=(f"file://{tmp_path / 'init'}", errors, results), nprocs=2)
-    assert (results[0], results[1]) == expected
+    mp.spawn(_exchanges, args=(f"file://{tmp_path_factory.mktemp('exchange') / 'init'}", results), nprocs=2)
+    return dict(results)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exchange_raises_the_first_own_error_once(case, exchanges):
+    """Who raises what; once the job has failed, a rank ignores SIGTERM (it leaves with the job's exit code)."""
+    expected = CASES[case][1]
+    assert tuple(exchanges[(case, False, False, rank)][0] for rank in (0, 1)) == expected
+    assert all(exchanges[(case, False, False, rank)][1] == (case != "none") for rank in (0, 1))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sigterm_during_the_exchange_waits_for_its_outcome(case, exchanges):
+    """torchrun's SIGTERM landing inside the exchange: where a rank failed, every rank raises what it raises without
+    the signal (not Interrupted: under load, a rank 0.15 s late after the exchange printed "interrupted by SIGTERM"
+    beside the failing rank's one line); where none did, the stop is obeyed once the exchange is over."""
+    expected = CASES[case][1] if case != "none" else (("Interrupted", None, None),) * 2
+    assert tuple(exchanges[(case, True, False, rank)][0] for rank in (0, 1)) == expected
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_after_the_final_exchange_sigterm_stops_nothing(case, exchanges):
+    """The run's final exchange (RunFolder.finish) decides the outcome: a SIGTERM arriving there is dropped and
+    ignored afterwards, on every rank. torchrun sends it as soon as a rank exits, and a rank exits with 1 when the
+    thresholds are crossed: rank 0, still writing its summary, printed "interrupted by SIGTERM" (exit 143) instead."""
+    assert tuple(exchanges[(case, True, True, rank)][0] for rank in (0, 1)) == CASES[case][1]
+    assert all(exchanges[(case, True, True, rank)][1] for rank in (0, 1))
 
 
 def test_assign_balances_tokens_in_consecutive_runs_and_is_deterministic(seed):

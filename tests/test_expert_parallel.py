@@ -33,7 +33,7 @@ from tests.builders import random_sequences, save_quantized_copy, save_random_mo
     save_random_peft_adapter_any, write_expert_adapter
 from tests.cli_checks import assert_input_error
 from tests.conftest import CPU, MOE_OVERRIDES
-from tests.test_distributed import demo, demo_compare, finish, torchrun  # noqa: F401 (demo: fixture)
+from tests.test_distributed import GLOO_TIMEOUT, demo, demo_compare, finish, torchrun  # noqa: F401 (demo: fixture)
 
 VOCAB = 96
 TOL = 1e-5
@@ -75,7 +75,7 @@ def _rows(names: list[str], seed: int):
 
 def _ep_worker(rank: int, world: int, init: str, cases, seed: int, results, backend: str | None = None):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=GLOO_TIMEOUT)  # bounded
     torch.set_num_threads(1)
     try:
         for name, model, adapters in cases:

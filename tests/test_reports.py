@@ -681,12 +681,17 @@ def test_mmlu_command_writes_junit(tmp_path, seed, monkeypatch):
 def test_example_notebook_executes(tmp_path, monkeypatch):
     import nbclient
     import nbformat
+    from jupyter_client.manager import KernelManager
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebook's demo folder goes under tmp_path
     # one OpenMP thread in the kernel: on a busy 2-core machine, 2 spinning threads made the demo ~6x slower
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     notebook = nbformat.read(ROOT / "reports" / "example.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=180, kernel_name="python3",
+    # The kernel's channels on Unix sockets under tmp_path, not TCP: jupyter_client picks TCP ports by binding port 0
+    # and closing it before the kernel binds them, and any process on the machine (another CI run beside this one)
+    # can take one in between (jupyter_client issue 487); kernel start and cells bounded generously for a busy machine.
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
+    nbclient.NotebookClient(notebook, km=kernel, timeout=180, startup_timeout=180,
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

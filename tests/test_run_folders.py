@@ -47,6 +47,21 @@ VOCAB = 96  # tests.builders' tiny vocabulary
 SAMPLES = 160
 TABLES = ("summary.csv", "samples.csv", "tokens.parquet", "worst_tokens.parquet")
 PART_ENV = {"LORA_EVAL_PART_ITEMS": "2"}  # a part every batch or two: a run of many parts
+GATE = '''import os
+import time
+
+if os.environ.get("LORA_EVAL_TEST_GATE"):  # the run holding the lock waits before its first batch for the gate file
+    from lora_eval.engine import Engine
+    original = Engine.start_logprobs
+
+    def gated(self, batch):
+        end = time.monotonic() + 600  # bounded: a test that failed before opening the gate leaves no process behind
+        while not os.path.exists(os.environ["LORA_EVAL_TEST_GATE"]) and time.monotonic() < end:
+            time.sleep(0.01)
+        return original(self, batch)
+
+    Engine.start_logprobs = gated
+'''
 
 
 class Artefacts:
@@ -75,7 +90,14 @@ def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
+    """(exit code, stdout, stderr); a process still running after `timeout` seconds is killed before the test fails
+    (left running, it would slow every test after it)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout} s (killed); its stderr:\n{err[-5000:]}")
     return proc.returncode, out, err
 
 
@@ -274,11 +296,14 @@ def test_sigkill_at_random_moments_then_resume_is_byte_identical(art, tmp_path, 
     out = tmp_path / "run"
     forward_s = record(art.baseline)["timings"]["forward_s"]
     killed_mid_run = 0
-    for _ in range(4):
+    for attempt in range(4):
         proc = start(compare_args(art, out))
         already = parts(out)
         assert wait_for(lambda: parts(out) > already or proc.poll() is not None)
-        time.sleep(rng.uniform(0, forward_s))
+        # the first kill as soon as a part is there, most of the run ahead: mid-run however fast or loaded the machine
+        # (random moments alone can all land after the end when these runs go faster than the baseline's forward_s,
+        # measured under another load); the others at random moments, the end of the run included
+        time.sleep(0 if attempt == 0 else rng.uniform(0, forward_s))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             killed_mid_run += proc.wait() == -signal.SIGKILL and not out.exists()
@@ -315,19 +340,28 @@ def test_sigint_and_sigterm_keep_the_parts_and_resume(art, tmp_path, signum, cod
 
 
 def test_two_runs_into_one_out(art, tmp_path):
-    out = tmp_path / "run"
-    procs = [start(compare_args(art, out)), start(compare_args(art, out))]
-    t0, ended = time.monotonic(), {}
-    while len(ended) < 2:  # when each one exits
-        ended.update({i: time.monotonic() - t0 for i, p in enumerate(procs) if i not in ended and p.poll() is not None})
-        time.sleep(0.01)
-    results = [(*finish(p), ended[i]) for i, p in enumerate(procs)]
+    """Started together: one takes the lock and finishes, the other exits 2 at once naming the holder. The holder
+    waits before its first batch until the test opens a gate (sitecustomize), so the loser's exit while the holder
+    is still running shows it did not wait, without comparing two processes' clocks."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(GATE)
+    path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "LORA_EVAL_TEST_GATE": str(gate)}
+    procs = [start(compare_args(art, out), env), start(compare_args(art, out), env)]
+    try:
+        assert wait_for(lambda: any(p.poll() is not None for p in procs), timeout=240)
+        running = [p for p in procs if p.poll() is None]
+        assert len(running) == 1  # the holder waits at the gate: the other one did not wait for it
+    finally:
+        gate.touch()
+    results = [finish(p) for p in procs]
     winner, loser = sorted(results, key=lambda r: r[0])
     assert (winner[0], loser[0]) == (1, 2), results
+    assert procs[results.index(winner)] is running[0]
     line = loser[2].strip()
     assert "\n" not in line and line.startswith(f"error: {out}: another lora-eval run is writing here (pid "), line
     assert f"on {socket.gethostname()}, started " in line
-    assert loser[3] < winner[3]  # it did not wait for the winner
     assert_same_run(out, art.baseline)
 
 
