@@ -300,10 +300,10 @@ class Engine:
         log p(candidate | whole row) at each row's last position.
         The same forward as `logprobs`, but lm_head and the log-softmax over the vocabulary run for the last
         positions only (multiple-choice scoring). Every row runs with one padding token after it, so that no
-        scored position is among the last elements of a batch tensor, which plain-torch elementwise ops (F.silu)
-        computed on a scalar path a few ulps off the vectorised one (`logprobs` never reads a row's last position).
-        The torch path now runs those ops in whole vector steps (Forward.pointwise); the padding stays, and with it
-        the forward's shapes on both backends."""
+        scored position is among the last elements of a batch tensor, where plain-torch elementwise ops (F.silu)
+        take a scalar path a few ulps off the vectorised one (`logprobs` never reads a row's last position). The torch
+        path's own ops run in whole vector steps (Forward.pointwise); the padding keeps any other such op off the
+        scored positions, and the forward's shapes the same on both backends."""
         device = self.model.inv_freq.device
         vocab = self.model.args.vocab_size
         if not candidates or not all(0 <= c < vocab for c in candidates):
