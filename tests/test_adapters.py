@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
+from lora_eval.forward import Forward
 from lora_eval.models import load_model
 from tests.builders import (
     hf_logprobs,
@@ -73,6 +74,36 @@ def assert_rows_close(ours, reference, tol: float = TOL, what: str = "oracle") -
     diffs = max_row_diffs(ours, reference)
     bad = {i: d for i, d in enumerate(diffs) if not d <= tol}
     assert not bad, f"rows differ from the {what} by more than {tol}: {bad} (all rows: {diffs})"
+
+
+def assert_close_to_merged(engine: Engine, name: str, ours, oracle, sequences, out_dir) -> None:
+    """ours (the rows of `sequences` under adapter `name`) against the merged-weights oracle. The two compute the same
+    model two ways, W x + s B (A x) against (W + s B A) x, float rounding apart; where a router's top-k is a near tie
+    that rounding decides, a position takes other experts and its row parts from the oracle by tenths of a nat (seen
+    once in CI: DeepSeek-V3, router logits 1.8e-6 apart at one position, 0.89 nats). So a row off by more than TOL
+    passes only if the merged weights, run through our own engine, route one of its positions otherwise than the
+    adapter does, and at most one row may: anything else fails as before."""
+    diffs = max_row_diffs(ours, hf_logprobs(oracle.model, sequences))
+    bad = {i: d for i, d in enumerate(diffs) if not d <= TOL}
+    if not bad:
+        return
+    oracle.model.save_pretrained(out_dir)
+    merged = Engine.load(out_dir, {}, CPU)
+    unexplained = {i: d for i, d in bad.items()
+                   if routes(engine, name, sequences[i]) == routes(merged, None, sequences[i])}
+    assert not unexplained and len(bad) <= 1, \
+        f"rows differ from the merged oracle by more than {TOL}: {bad}, not by a routing tie: {unexplained}"
+
+
+def routes(engine: Engine, name: str | None, sequence: list[int]) -> list[torch.Tensor]:
+    """The experts each position of `sequence` chose at each MoE layer, as a set (sorted) [L, k] per layer."""
+    seen = []
+    Forward.probe = staticmethod(lambda layer, point, t: point == "router_topk" and seen.append(t.sort(-1).values))
+    try:
+        engine.logprobs(Batch([sequence], [name]))
+    finally:
+        Forward.probe = None
+    return [t.tolist() for t in seen]
 
 
 def assert_changes(ours, base) -> None:
@@ -230,7 +261,7 @@ def test_expert_layout_matches_merged_oracle(case, moe_model, moe_base_hf, tmp_p
     engine = Engine.load(moe_model, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "experts", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(moe_base_hf, sequences))
 
     adapter = engine.adapters[0]

@@ -34,8 +34,8 @@ from tests.builders import DEEPSEEK_YARN, hf_logprobs, load_hf, random_sequences
     save_random_model, save_random_peft_adapter, set_random_correction_bias, write_dense_adapter, \
     write_expert_adapter
 from tests.conftest import CPU
-from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
-    run_one_adapter, varied_sequences
+from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_close_to_merged, assert_rows_close, \
+    check_peft_adapter, run_one_adapter, varied_sequences
 from tests.test_families import base_hf, k2, run  # noqa: F401 (base_hf: a fixture)
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
@@ -242,7 +242,7 @@ def test_expert_layout_matches_merged_oracle(case, checkpoint, base_hf, tmp_path
     engine = Engine.load(model_dir, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "experts", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(base_hf("mla"), sequences))
     adapter = engine.adapters[0]
     assert adapter.layouts == {layout}
@@ -260,7 +260,7 @@ def test_shared_expert_and_dense_mlp_lora_match_merged_oracle(case, checkpoint, 
     engine = Engine.load(model_dir, {"dense": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "dense", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "dense", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(base_hf(case), sequences))
     adapter = engine.adapters[0]
     assert not adapter.experts

@@ -24,8 +24,8 @@ from lora_eval.adapters import load_adapter
 from lora_eval.models import FAMILIES, load_model
 from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_model, save_random_peft_adapter, \
     write_expert_adapter
-from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
-    run_one_adapter, varied_sequences
+from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_close_to_merged, assert_rows_close, \
+    check_peft_adapter, run_one_adapter, varied_sequences
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 from tests.conftest import CPU
 
@@ -242,7 +242,7 @@ def test_per_expert_adapter_matches_merged_oracle(case, checkpoint, base_hf, tmp
     engine = Engine.load(model_dir, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "experts", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(base_hf(family), sequences))
     adapter = engine.adapters[0]
     assert adapter.layouts == {"per-expert 2D"}

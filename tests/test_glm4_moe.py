@@ -29,8 +29,8 @@ from tests.builders import hf_logprobs, load_hf, random_sequences, save_random_m
     save_random_model_from_config, save_random_peft_adapter, set_random_correction_bias, write_dense_adapter, \
     write_expert_adapter
 from tests.conftest import CPU
-from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, check_peft_adapter, \
-    run_one_adapter, varied_sequences
+from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_close_to_merged, assert_rows_close, \
+    check_peft_adapter, run_one_adapter, varied_sequences
 from tests.test_families import assert_bf16_like_cpu, base_hf, k2, run  # noqa: F401 (base_hf: a fixture)
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
@@ -232,7 +232,7 @@ def test_expert_adapter_matches_merged_oracle(layout, checkpoint, base_hf, tmp_p
     engine = Engine.load(model_dir, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "experts", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(base_hf("glm4_5"), sequences))
     adapter = engine.adapters[0]
     assert adapter.layouts == {"shared-outer 3D" if shared_outer else "per-expert 2D"}
@@ -249,7 +249,7 @@ def test_shared_expert_and_dense_mlp_lora_matches_merged_oracle(checkpoint, base
     engine = Engine.load(model_dir, {"dense": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "dense", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "dense", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(base_hf("glm4_5"), sequences))
     adapter = engine.adapters[0]
     assert not adapter.experts

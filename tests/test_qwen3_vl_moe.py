@@ -35,8 +35,8 @@ from tests.builders import hf_logprobs, load_hf_model, peft_oracle_any, random_s
     save_random_model_from_config, save_random_peft_adapter_any, transpose_experts_to_published, \
     write_expert_adapter_vl
 from tests.conftest import CPU
-from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_rows_close, our_ranks_and_scalings, \
-    peft_ranks_and_scalings, run_one_adapter, varied_sequences
+from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_close_to_merged, assert_rows_close, \
+    our_ranks_and_scalings, peft_ranks_and_scalings, run_one_adapter, varied_sequences
 from tests.test_families import k2, run
 from tests.test_models import copy_with_config, engine_logprobs, mixed_length_sequences
 
@@ -265,7 +265,7 @@ def test_expert_adapter_matches_merged_oracle(layout, checkpoint, base_hf, tmp_p
     engine = Engine.load(model_dir, {"experts": oracle.adapter_dir}, CPU)
     sequences = varied_sequences(seed + 1)
     ours = run_one_adapter(engine, "experts", sequences)
-    assert_rows_close(ours, hf_logprobs(oracle.model, sequences), what="merged oracle")
+    assert_close_to_merged(engine, "experts", ours, oracle, sequences, tmp_path / "merged")
     assert_changes(ours, hf_logprobs(base_hf("vl"), sequences))
     adapter = engine.adapters[0]
     assert {t["site"] for t in adapter.targets if t["kind"] == "gate"} == {f"{TEXT}.layers.{i}.mlp.gate"

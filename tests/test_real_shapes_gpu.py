@@ -280,7 +280,7 @@ def assert_base_rows_replay_as_without_adapters(model_dir, adapters, frame, fami
 
 
 def describe(run: Path, other_run: Path, frame) -> str:
-    """Where two runs' tokens.parquet differ, for the failure message: which samples (their adapters) and by how much."""
+    """Where two runs' tokens.parquet differ, for the failure message: the samples (their adapters), by how much."""
     first = pd.read_parquet(run / "tokens.parquet")
     other = pd.read_parquet(other_run / "tokens.parquet")
     if len(first) != len(other):
