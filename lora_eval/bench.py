@@ -109,9 +109,9 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
 
 
 def small_config(config: dict) -> dict:
-    """`config` at test widths: each SMALL_SIZES key it sets (not null) takes that size, key/value heads 2 (or as many as the
-    attention heads where the config has equal counts: MLA), router groups at most 4 of which 2 are kept, token ids
-    dropped. Family, layer pattern (dense first layers, layer_types), rope and routing rules stay, so bench runs
+    """`config` at test widths: each SMALL_SIZES key it sets (not null) takes that size, key/value heads 2 (or as
+    many as the attention heads where the config has equal counts: MLA), router groups at most 4 of which 2 are kept,
+    token ids dropped. Family, layer pattern (dense first layers, layer_types), rope and routing rules stay, so bench runs
     it on the code path of the full-size config, in seconds on a CPU (tests/test_bench.py does, for every config in
     benchmarks/configs/)."""
     small = dict(config)
