@@ -1,47 +1,38 @@
-"""The `lora-eval` command line (Click): one exit-code contract for every command (errors.py): 0 pass, 1 a threshold
-crossed, 2 bad usage or input (one line naming the file and the key), 3 an internal error, 130 / 143 interrupted."""
+"""The `lora-eval` command line (Click): its grammar, and one exit-code contract for every command (errors.py): 0 pass,
+1 a threshold crossed, 2 bad usage or input (one line naming the file and the key), 3 an internal error, 130 / 143
+interrupted; under `lora-eval launch` (launch.py) on any number of processes too.
+
+This module imports nothing heavy: a usage error is answered before torch loads (about 2 s of imports on a CPU), and
+the signal handlers are in place from main()'s first instruction. A command's work (commands.py, which imports the
+tasks and torch) is imported once its arguments are parsed (`run`)."""
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import math
 import os
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import click
-import pandas as pd
-import torch
 
-from .bench import NOTE_SEPARATOR, bench
-from .compare import compare
-from .demo import run_demo
-from .diagnose import AGAINST_ADAPTERS, diagnose
-from .diagnose_report import diagnose_summary
-from .engine import DTYPES, EngineOptions
-from .distributed import PeerFailed
-from .errors import EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD, InputError, Interrupted
-from .inspection import inspect_adapters
-from .junit import compare_junit, mmlu_junit
-from .mmlu import mmlu
-from .plan import plan, plan_text
-from .report import phase_times, render, summary_text, verdict
-from .results import CompareResult
-from .runfolder import atomic_write, check_out
-from .trainer import dump_reference
+from .errors import EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted, PeerFailed
+from .names import AGAINST_ADAPTERS, DTYPE_NAMES
+
+LAUNCHED = ("compare", "mmlu", "dump-reference")  # the commands that run on several processes (diagnose: one)
 
 
 def speaks() -> bool:
-    """Whether this process talks: always, but for the ranks other than 0 of a torchrun job (distributed.py)."""
+    """Whether this process talks: always, but for the ranks other than 0 of a multi-process job (distributed.py)."""
     return os.environ.get("RANK", "0") == "0"
 
 
-def notice(text: str) -> None:
-    """What a run says on the side (resuming, a lock taken over, a default applied): one line on stderr."""
-    if speaks():
-        click.echo(text, err=True)
+def run(command: str, /, **arguments) -> None:
+    """Do `command` (commands.py's `<command>_command`), imported only now that the arguments are parsed."""
+    commands = importlib.import_module(".commands", __package__)
+    getattr(commands, f"{command.replace('-', '_')}_command")(**arguments)
 
 
 def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
@@ -66,18 +57,23 @@ def parse_references(values: tuple[str, ...]) -> list:
     return refs
 
 
-class Threshold(click.ParamType):
-    """A finite number >= 0 (negative, NaN and infinite values are refused as the arguments are parsed)."""
+class Number(click.ParamType):
+    """A finite number >= 0, or > 0 with `positive` (NaN and infinite values are refused as the arguments are
+    parsed: a NaN compares false with every limit, and an infinite GPU memory "fits" every model)."""
 
     name = "number"
 
+    def __init__(self, positive: bool = False):
+        self.positive = positive
+
     def convert(self, value, param, ctx):
+        expected = "a finite number > 0" if self.positive else "a finite number >= 0"
         try:
             number = float(value)
         except (TypeError, ValueError):
-            self.fail(f"expected a finite number >= 0, got '{value}'", param, ctx)
-        if not math.isfinite(number) or number < 0:
-            self.fail(f"expected a finite number >= 0, got '{value}'", param, ctx)
+            self.fail(f"expected {expected}, got '{value}'", param, ctx)
+        if not math.isfinite(number) or number < 0 or (self.positive and number == 0):
+            self.fail(f"expected {expected}, got '{value}'", param, ctx)
         return number
 
 
@@ -98,7 +94,7 @@ def device_options(command):
         "--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
         help="Row order of a fused 3D gate_up LoRA: gate/up alternating, or all gate rows then all up rows "
              "(needed for such adapters on GPT-OSS; PEFT target_parameters adapters are detected).")(command)
-    command = click.option("--dtype", default="auto", type=click.Choice(["auto", *DTYPES]), show_default=True,
+    command = click.option("--dtype", default="auto", type=click.Choice(["auto", *DTYPE_NAMES]), show_default=True,
                            help="auto: bfloat16 on cuda, float32 on cpu.")(command)
     return click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]), show_default=True,
                         help="auto: cuda when torch sees a GPU, else cpu.")(command)
@@ -108,9 +104,9 @@ def graph_options(command):
     """--no-cuda-graphs, --graph-buckets, --max-graph-memory (runners/graphs.py), and --expert-parallel, for commands
     that run the engine."""
     command = click.option("--expert-parallel", is_flag=True,
-                           help="Under torchrun: spread every MoE layer's experts over the processes (a model larger "
-                           "than one GPU); attention, routers and the rest are replicated.")(command)
-    command = click.option("--max-graph-memory", default=None, type=click.FloatRange(min=0), metavar="GB",
+                           help="Under lora-eval launch: spread every MoE layer's experts over the processes (a model "
+                           "larger than one GPU); attention, routers and the rest are replicated.")(command)
+    command = click.option("--max-graph-memory", default=None, type=Number(), metavar="GB",
                            help="Stop capturing new graphs once their memory pool reaches this (default: no limit)."
                            )(command)
     command = click.option("--graph-buckets", default=32, type=click.IntRange(min=0), show_default=True,
@@ -150,33 +146,21 @@ def run_options(command):
                         "another command); a partial run of these very inputs is resumed either way.")(command)
 
 
-def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_buckets=32, max_graph_memory=None,
-                   expert_parallel=False, batch_invariant=False) -> EngineOptions:
-    memory = None if max_graph_memory is None else int(max_graph_memory * 2**30)
-    return EngineOptions(device=device, dtype=dtype, gate_up_layout=gate_up_layout, cuda_graphs=not no_cuda_graphs,
-                         graph_buckets=graph_buckets, max_graph_memory=memory, expert_parallel=expert_parallel,
-                         batch_invariant=batch_invariant)
-
-
 class Main(click.Group):
     """Turns InputError into one line on stderr and exit code 2, Interrupted and Ctrl-C into 130 / 143, and any
     other failure into one line and exit code 3 (never 1, which means "a threshold was crossed");
-    LORA_EVAL_DEBUG=1 shows the traceback instead."""
+    LORA_EVAL_DEBUG=1 shows the traceback instead. Of a multi-process job, one rank says why (distributed.py)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except PeerFailed as e:  # another rank of a torchrun job failed and said so
+        except PeerFailed as e:  # another rank of the job failed and said so
             sys.exit(e.code)
         except InputError as e:
             click.echo(f"error: {_rank_of(e)}{e}", err=True)
             sys.exit(EXIT_INPUT)
-        except Interrupted as e:
-            click.echo(f"{e}", err=True)
-            sys.exit(e.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted by SIGINT", err=True)
-            sys.exit(128 + signal.SIGINT)
+        except (Interrupted, KeyboardInterrupt) as e:
+            stopped(e)
         except click.UsageError as e:  # a bad option value: one line, like every other refusal
             click.echo(f"error: {e.format_message()}", err=True)
             sys.exit(EXIT_INPUT)
@@ -191,8 +175,18 @@ class Main(click.Group):
             sys.exit(EXIT_INTERNAL)
 
 
+def stopped(error: BaseException) -> None:
+    """Interrupted (SIGTERM, or a run's own stop) or Ctrl-C: one line (rank 0's, of a job: every rank got the
+    signal), exit code 130 / 143."""
+    if not isinstance(error, Interrupted):
+        error = Interrupted(signal.SIGINT)
+    if speaks():
+        click.echo(f"{error}", err=True)
+    sys.exit(error.exit_code)
+
+
 def _rank_of(error: Exception) -> str:
-    """'rank 1: ' for an error that one rank of a torchrun job had alone (distributed.Ranks.exchange)."""
+    """'rank 1: ' for an error that one rank of a multi-process job had alone (distributed.Ranks.exchange)."""
     return f"rank {error.rank}: " if hasattr(error, "rank") else ""
 
 
@@ -202,24 +196,16 @@ def cli():
     """Evaluate LoRA adapters on Mixture-of-Experts models against trainer references."""
 
 
-@cli.command(epilog=epilog("lora-eval inspect --model Qwen3-30B-A3B --adapter mine=runs/adapter-1200",
-                           "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved"))
+@cli.command(name="inspect", epilog=epilog(
+    "lora-eval inspect --model Qwen3-30B-A3B --adapter mine=runs/adapter-1200",
+    "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved"))
 @model_and_adapters
 @click.option("--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
               help="Row order of a fused 3D gate_up LoRA (see compare --help).")
-def inspect(model_dir, adapters, gate_up_layout):
+def inspect_cmd(**arguments):
     """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts."""
-    summary, table = inspect_adapters(model_dir, parse_named_paths(adapters, "--adapter"), gate_up_layout)
-    moe = f", {summary['experts']} experts top-{summary['top_k']} in {summary['sparse_layers']} layers" \
-        if summary["experts"] else ""
-    quantized = f"; {summary['quantization']}" if summary["quantization"] else ""
-    click.echo(f"model: {summary['model_type']}, {summary['layers']} layers, hidden {summary['hidden']}{moe}, "
-               f"vocab {summary['vocab']}{quantized}")
-    for name, group in table.groupby("adapter", sort=False):
-        click.echo(f"\nadapter {name}: layout {group['layout'].iloc[0]}, "
-                   f"{int(group['params'].sum()):,} parameters")
-        with pd.option_context("display.width", 200, "display.max_rows", 500):
-            click.echo(group.drop(columns=["adapter", "layout"]).to_string(index=False))
+    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
+    run("inspect", **arguments)
 
 
 @cli.command(name="dump-reference", epilog=epilog(
@@ -235,14 +221,10 @@ def inspect(model_dir, adapters, gate_up_layout):
                    "base model).")
 @device_options
 @run_options
-def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, device, dtype, gate_up_layout, overwrite,
-                       quiet):
+def dump_reference_cmd(**arguments):
     """Trainer-side reference logprobs from transformers + PEFT, in the native Parquet format."""
-    frame = dump_reference(model_dir, parse_named_paths(adapters, "--adapter"), prompts, out,
-                           options=engine_options(device, dtype, gate_up_layout), quiet=quiet, overwrite=overwrite,
-                           default_adapter=default_adapter, notice=notice)
-    if speaks():
-        click.echo(f"{out}: {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs)")
+    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
+    run("dump-reference", **arguments)
 
 
 @cli.command(name="compare", epilog=epilog(
@@ -254,9 +236,9 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
 @references_and_out
 @click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per forward batch.")
-@click.option("--max-k2", default=5e-3, type=Threshold(), show_default=True, help="Fail when k2 exceeds this.")
-@click.option("--max-mean-abs-diff", default=None, type=Threshold(), help="Fail when mean |d| exceeds this.")
-@click.option("--max-k2-over-floor", default=None, type=Threshold(), metavar="X",
+@click.option("--max-k2", default=5e-3, type=Number(), show_default=True, help="Fail when k2 exceeds this.")
+@click.option("--max-mean-abs-diff", default=None, type=Number(), help="Fail when mean |d| exceeds this.")
+@click.option("--max-k2-over-floor", default=None, type=Number(), metavar="X",
               help="Fail a row whose k2 exceeds X times the sampler's noise floor: k2 of ref - sampler over the "
                    "references' base rows (off when they carry no sampler logprobs).")
 @click.option("--no-adapter-check", is_flag=True,
@@ -269,20 +251,13 @@ def dump_reference_cmd(model_dir, adapters, prompts, out, default_adapter, devic
 @invariant_option
 @prefix_option
 @run_options
-def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
-                no_adapter_check, junit_path, device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets,
-                max_graph_memory, expert_parallel, batch_invariant, no_prefix_cache, overwrite, quiet):
+def compare_cmd(**arguments):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed or a gate fails (an
     adapter that changes nothing). A run into a folder that holds this very run prints its summary; a killed run
     resumes where it stopped."""
-    check_out(junit_path, "--junit", single_file=True)
-    options = replace(engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
-                                     expert_parallel, batch_invariant), prefix_cache=not no_prefix_cache)
-    result = compare(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
-                     options=options, batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
-                     max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
-                     overwrite=overwrite, notice=notice)
-    _finish(result, out, junit_path)
+    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
+    arguments["references"] = parse_references(arguments["references"])
+    run("compare", **arguments)
 
 
 @cli.command(name="mmlu", epilog=epilog(
@@ -296,7 +271,7 @@ def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_
 @click.option("--shots", default=5, type=click.IntRange(min=0), show_default=True, help="Dev examples per prompt.")
 @click.option("--subjects", default=None, metavar="A,B,...", help="Only these subjects (default: all).")
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Only the first N questions per subject.")
-@click.option("--max-drop", default=None, type=Threshold(), metavar="POINTS",
+@click.option("--max-drop", default=None, type=Number(), metavar="POINTS",
               help="Exit 1 when an adapter's micro accuracy is more than this many percentage points below base.")
 @click.option("--batch-tokens", default=16384, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per forward batch.")
@@ -307,45 +282,30 @@ def compare_cmd(model_dir, adapters, references, out, batch_tokens, max_k2, max_
 @invariant_option
 @prefix_option
 @run_options
-def mmlu_cmd(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
-             device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory, expert_parallel,
-             batch_invariant, no_prefix_cache, overwrite, quiet):
+def mmlu_cmd(**arguments):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
-    check_out(junit_path, "--junit", single_file=True)
-    options = replace(engine_options(device, dtype, gate_up_layout, no_cuda_graphs, graph_buckets, max_graph_memory,
-                                     expert_parallel, batch_invariant), prefix_cache=not no_prefix_cache)
-    result = mmlu(model_dir, parse_named_paths(adapters, "--adapter"), data, out=out, split=split, shots=shots,
-                  subjects=subjects, limit=limit, max_drop=max_drop, options=options, batch_tokens=batch_tokens,
-                  quiet=quiet, overwrite=overwrite, notice=notice)
-    _finish(result, out, junit_path)
+    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
+    run("mmlu", **arguments)
 
 
-@cli.command(epilog=epilog("lora-eval demo", "lora-eval demo --out /tmp/lora-eval-demo --quiet"))
+@cli.command(name="demo", epilog=epilog("lora-eval demo", "lora-eval demo --out /tmp/lora-eval-demo --quiet"))
 @click.option("--out", default="lora-eval-demo", type=click.Path(), show_default=True, help="Folder to build in.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def demo(out, quiet):
+def demo_cmd(**arguments):
     """Build a tiny MoE model, two adapters and a trainer reference, then run compare on them."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    click.echo(f"building a tiny Qwen3-MoE model, two adapters and a reference dump in {out}/ ...")
-    _finish(run_demo(out, quiet=quiet, notice=notice), f"{out}/report", None)
+    run("demo", **arguments)
 
 
-@cli.command(epilog=epilog("lora-eval report runs/mine > report.html",
-                           "lora-eval report runs/mmlu --format md --out mmlu.md"))
+@cli.command(name="report", epilog=epilog("lora-eval report runs/mine > report.html",
+                                          "lora-eval report runs/mmlu --format md --out mmlu.md"))
 @click.argument("run_dir", type=click.Path())
 @click.option("--format", "fmt", default="html", type=click.Choice(["html", "md"]), show_default=True)
 @click.option("--out", "out_path", default="-", type=click.Path(dir_okay=False, allow_dash=True),
               help="File to write; default: standard output.")
-def report(run_dir, fmt, out_path):
+def report_cmd(**arguments):
     """Re-render a complete run folder's report (compare, mmlu or diagnose) from its saved files, without
     recomputing."""
-    if out_path != "-":
-        check_out(out_path, "--out", single_file=True)
-    data = render(run_dir, fmt).encode("utf-8")
-    if out_path == "-":
-        click.echo(data, nl=False)  # bytes go to the binary stdout unchanged
-    else:
-        atomic_write(Path(out_path), data)
+    run("report", **arguments)
 
 
 @cli.command(name="plan", epilog=epilog(
@@ -355,17 +315,15 @@ def report(run_dir, fmt, out_path):
 @click.option("--gpus", default=1, type=click.IntRange(min=1), show_default=True, help="GPUs to spread over.")
 @click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per forward batch.")
-@click.option("--dtype", default="bfloat16", type=click.Choice(list(DTYPES)), show_default=True,
+@click.option("--dtype", default="bfloat16", type=click.Choice(DTYPE_NAMES), show_default=True,
               help="Compute dtype (quantized releases are dequantised to it).")
-@click.option("--gpu-memory", default=None, type=click.FloatRange(min=0), metavar="GB",
+@click.option("--gpu-memory", default=None, type=Number(positive=True), metavar="GB",
               help="Memory of one GPU (default: this machine's GPU, else an H100's 80 GB).")
-def plan_cmd(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
+def plan_cmd(**arguments):
     """Per-GPU memory of a model and its adapters on one GPU, data parallel and expert parallel over --gpus, from
     config.json and file headers alone (a folder with only config.json will do); exit 1 when no layout fits."""
-    counts, rows = plan(model_dir, parse_named_paths(adapters, "--adapter"), gpus=gpus, batch_tokens=batch_tokens,
-                        dtype=dtype, gpu_memory_gb=gpu_memory)
-    click.echo(plan_text(counts, rows))
-    sys.exit(EXIT_PASS if rows["fits"].any() else EXIT_THRESHOLD)
+    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
+    run("plan", **arguments)
 
 
 @cli.command(name="bench", epilog=epilog(
@@ -380,7 +338,7 @@ def plan_cmd(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
               help="all: PEFT all-linear (attention, router, experts); attn: q/k/v/o; experts: experts and router.")
 @click.option("--batch", "batches", multiple=True, default=("4x1024",), show_default=True, metavar="ROWSxTOKENS",
               help="Batch shape (repeatable: one model build serves every shape).")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", *DTYPES]), show_default=True,
+@click.option("--dtype", default="auto", type=click.Choice(["auto", *DTYPE_NAMES]), show_default=True,
               help="auto: bfloat16 on cuda, float32 on cpu.")
 @click.option("--device", default="auto", type=click.Choice(["auto", "cpu", "cuda"]), show_default=True,
               help="auto: cuda when torch sees a GPU, else cpu.")
@@ -393,33 +351,9 @@ def plan_cmd(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
 @click.option("--seed", default=0, type=int, show_default=True)
 @click.option("--out", "out_path", default=None, type=click.Path(dir_okay=False), help="Write the table as CSV.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, device, repeat, warmup, skip_hf,
-              also_eager, also_invariant, seed, out_path, quiet):
+def bench_cmd(**arguments):
     """Our engine against transformers + PEFT on a random-weight model of a config's real shape."""
-    check_out(out_path, "--out", single_file=True)
-    options = EngineOptions(device=device, dtype=dtype).resolved()
-    try:
-        frame = bench(config_path, layers=layers, adapters=adapters, rank=rank, targets=targets, batches=batches,
-                      dtype=options.dtype, device=options.device, repeat=repeat, warmup=warmup, skip_hf=skip_hf,
-                      also_eager=also_eager, also_invariant=also_invariant, seed=seed, quiet=quiet)
-    except torch.OutOfMemoryError as e:
-        click.echo(f"error: out of device memory building the model or adapters ({str(e).splitlines()[0][:120]}); "
-                   "try fewer --layers or --adapters", err=True)
-        sys.exit(EXIT_INTERNAL)
-    first = frame.iloc[0]
-    click.echo(f"{first['model']}: {first['layers']} layers, {adapters} adapters of rank {rank} ({targets}), "
-               f"{options.dtype} on {first['device_name']}; torch {first['torch']}, transformers "
-               f"{first['transformers']} (experts {first['hf_experts']}, attention {first['hf_attention']}), "
-               f"peft {first['peft']}")
-    shown = ["system", "batch", "case", "passes", "ms_per_batch", "tokens_per_s", "tflops", "peak_mem_gb",
-             "cost_vs_base", "vs_hf", "max_abs_diff", "status"]
-    with pd.option_context("display.width", 200, "display.max_rows", 200, "display.float_format", "{:.4g}".format):
-        click.echo(frame[shown].to_string(index=False))
-    for note in dict.fromkeys(part for n in frame["note"] if n for part in n.split(NOTE_SEPARATOR)):
-        click.echo(f"note: {note}")
-    if out_path:
-        atomic_write(Path(out_path), frame.to_csv(index=False).encode("utf-8"))
-        click.echo(f"wrote {out_path}")
+    run("bench", **arguments)
 
 
 @cli.command(name="diagnose", epilog=epilog(
@@ -441,7 +375,7 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 @click.option("--against-adapters", default="same", type=click.Choice(AGAINST_ADAPTERS), show_default=True,
               help="Side B with the same adapters as the engine, or with none: --against-model has the one --adapter "
               "given merged into its weights (as a server runs it); only that adapter's rows are compared.")
-@click.option("--against-dtype", default="float32", type=click.Choice(list(DTYPES)), show_default=True,
+@click.option("--against-dtype", default="float32", type=click.Choice(DTYPE_NAMES), show_default=True,
               help="Side B's dtype (side B runs on the plain-torch backend).")
 @click.option("--layer-by-layer", is_flag=True,
               help="Run side B one decoder layer at a time on the engine's input to that layer (the default when "
@@ -451,53 +385,71 @@ def bench_cmd(config_path, layers, adapters, rank, targets, batches, dtype, devi
 @device_options
 @invariant_option
 @run_options
-def diagnose_cmd(model_dir, adapters, references, out, samples, against_model, against_adapters, against_dtype,
-                 layer_by_layer, batch_tokens, device, dtype, gate_up_layout, batch_invariant, overwrite, quiet):
+def diagnose_cmd(**arguments):
     """Where the engine parts from a reference computation, layer by layer: per layer the error of attention, router
     (and its top-k flips), routed experts and residual stream on the samples with the largest k2, each adapter's
     effect per module, and the first divergent layer per adapter (layers.csv, modules.csv, diagnose.json,
     diagnose.md, diagnose.html)."""
-    result = diagnose(model_dir, parse_named_paths(adapters, "--adapter"), parse_references(references), out=out,
-                      options=engine_options(device, dtype, gate_up_layout, batch_invariant=batch_invariant),
-                      samples=samples, against_model=against_model, against_dtype=against_dtype,
-                      against_adapters=against_adapters, layer_by_layer=layer_by_layer, batch_tokens=batch_tokens,
-                      quiet=quiet, overwrite=overwrite, notice=notice)
-    if speaks():
-        click.echo(diagnose_summary(result))
-        click.echo(f"\ntime: {phase_times(result.run)}")
-        click.echo(f"report: {out}/diagnose.html (markdown: {out}/diagnose.md)")
-    sys.exit(result.exit_code)
+    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
+    arguments["references"] = parse_references(arguments["references"])
+    run("diagnose", **arguments)
 
 
-def _finish(result, out, junit_path) -> None:
-    """The summary, phase times and where the reports are; JUnit XML if asked; the exit code of the result."""
-    if not speaks():
-        sys.exit(result.exit_code)
-    if junit_path:
-        xml = compare_junit(result.summary, result.run, result.gates) if isinstance(result, CompareResult) else \
-            mmlu_junit(result.summary, result.run)
-        atomic_write(Path(junit_path), xml.encode("utf-8"))
-    click.echo(summary_text(result))
-    click.echo(f"\ntime: {phase_times(result.run)}")
-    md = "report.md" if isinstance(result, CompareResult) else "mmlu.md"
-    click.echo(f"report: {out}/report.html (markdown: {out}/{md})")
-    if not result.passed:
-        click.echo(verdict(result), err=True)
-    sys.exit(result.exit_code)
+@cli.command(name="launch", context_settings=dict(ignore_unknown_options=True, allow_interspersed_args=False),
+             epilog=epilog("lora-eval launch --nproc-per-node 8 compare --model MODEL --adapter mine=ADAPTER "
+                           "--reference ref.parquet --out runs/mine",
+                           "lora-eval launch --nnodes 2 --node-rank 0 --master-addr node0 --nproc-per-node 8 mmlu "
+                           "--model MODEL --data mmlu/ --out runs/mmlu"))
+@click.option("--nproc-per-node", default=1, type=click.IntRange(min=1), show_default=True,
+              help="Processes on this machine (one per GPU).")
+@click.option("--nnodes", default=1, type=click.IntRange(min=1), show_default=True, help="Machines in the job.")
+@click.option("--node-rank", default=0, type=click.IntRange(min=0), show_default=True,
+              help="This machine's place among them.")
+@click.option("--master-addr", default=None, metavar="HOST", help="Node 0's address (needed with --nnodes > 1).")
+@click.option("--master-port", default=None, type=click.IntRange(min=1, max=65535),
+              help="Node 0's port (default: a free one, on one machine; 29500 across machines).")
+@click.argument("command", type=click.Choice(LAUNCHED), metavar="COMMAND")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch_cmd(nproc_per_node, nnodes, node_rank, master_addr, master_port, command, args):
+    """Run COMMAND (compare, mmlu or dump-reference) on several processes, data parallel (or expert parallel with
+    --expert-parallel), keeping the exit codes of one process: torchrun's launcher, whose own exit
+    code is 1 whenever a worker fails (an input error read as a regression) beside its own report of the failure.
+    The command's arguments are checked before any process starts; every input error is one line, printed once."""
+    if nnodes > 1 and master_addr is None:
+        raise click.BadParameter("needed when --nnodes is more than 1", param_hint="--master-addr")
+    if node_rank >= nnodes:
+        raise click.BadParameter(f"{node_rank} is not below --nnodes {nnodes}", param_hint="--node-rank")
+    arguments = list(args)
+    parsed = cli.get_command(click.get_current_context(), command).make_context(command, list(arguments))
+    for name, convert in (("adapters", parse_named_paths), ("references", parse_references)):
+        if name in parsed.params:  # the same checks a worker's command line gets, once, here
+            convert(parsed.params[name], *(["--adapter"] if name == "adapters" else []))
+    run("launch", command=[command, *arguments], nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+        master_addr=master_addr, master_port=master_port)
 
 
 def main():
-    """The console script. Once the command has returned, its files written and closed, the process ends at once:
-    exit handlers run (atexit: the process group's teardown, logging's flush), output is flushed, then os._exit
-    (not under a profiler or debugger: `_observed`).
-    The interpreter's own teardown, freeing every tensor and the CUDA context one by one, took 0.86-0.92 s after a
-    compare on a 24-layer checkpoint on an H100, against 0.22-0.28 s this way (BENCHMARKS-history section 13)."""
-    signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: stop with the exit code 143, cleaning up as we go
+    """The console script. Signals are handled from its first instruction: SIGTERM like Ctrl-C (exit 143 / 130,
+    one line, cleaning up as we go), even while torch is still being imported.
+    Once the command has returned, its files written and closed, the process ends at once: exit handlers run
+    (atexit: the process group's teardown, logging's flush), output is flushed, then os._exit (not under a profiler
+    or debugger: `_observed`). The interpreter's own teardown, freeing every tensor and the CUDA context one by one,
+    took 0.86-0.92 s after a compare on a 24-layer checkpoint on an H100, against 0.22-0.28 s this way
+    (BENCHMARKS-history section 13)."""
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, even where a parent ignored it
     try:
         cli(prog_name="lora-eval")
         code = 0
     except SystemExit as e:
         code = e.code
+    except (Interrupted, KeyboardInterrupt) as e:  # before or after a command ran (its own are caught in Main)
+        try:
+            stopped(e)
+        except SystemExit as exit_:
+            code = exit_.code
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the outcome is decided: a later signal (a launcher stopping
+        signal.signal(signum, signal.SIG_IGN)        # every worker) must not break the way out (atexit below)
     if code is not None and not isinstance(code, int):  # sys.exit("text"): the text on stderr, exit code 1
         print(code, file=sys.stderr)
         code = 1

@@ -68,7 +68,7 @@ from .inputs import adapter_names, model_config, positive_int
 from .lora_effect import EffectRecorder
 from .metrics import token_metrics
 from .models import load_model
-from .names import BASE
+from .names import AGAINST_ADAPTERS, BASE
 from .one_layer import LayerLoader
 from .plan import check_fits, host_memory_available, plan
 from .references import read_reference, reference_arg, reference_inputs
@@ -84,9 +84,6 @@ MIN_FLOOR = 1e-5  # ... nor under this (float32 sums taken in another order diff
 TOP_EXPERTS = 5  # flipped-in / flipped-out experts listed per layer in diagnose.json
 UNIT_COLUMNS = ["kind", "sample", "layer", "name", "num", "den", "count"]  # the rows every unit of work records
 POINT_OF = {"attention": "attention", "router_logits": "router", "moe": "moe", "residual": "residual"}
-AGAINST_ADAPTERS = ("same", "none")  # side B with side A's adapters, or without them (a merged checkpoint)
-
-
 def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, references: list | tuple = (), *,
              out: str | Path | None = None, options: EngineOptions | None = None, samples: int = 8,
              against_model: str | Path | None = None, against_dtype: str = "float32", against_adapters: str = "same",

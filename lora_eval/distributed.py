@@ -1,7 +1,8 @@
-"""Data parallel over torch.distributed, launched by torchrun (NCCL on GPUs, gloo on CPUs): which rank computes which
-units of work, and the few messages ranks exchange.
+"""Data parallel over torch.distributed, started by `lora-eval launch` (launch.py: torchrun's launcher, exit codes
+kept) or torchrun itself (NCCL on GPUs, gloo on CPUs): which rank computes which units of work, and the few messages
+ranks exchange.
 
-    torchrun --nproc-per-node N --no-python lora-eval compare ...     (or python -m lora_eval; --nnodes for more)
+    lora-eval launch --nproc-per-node N compare ...                  (--nnodes and --master-addr for more machines)
 
 Every rank reads and checks the same inputs and builds the same list of units (batches, samples). Rank 0 owns the
 run folder (lock, staging, resume, the merge and the commit: runfolder.py); it shares which units earlier runs
@@ -38,17 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted
+from .errors import EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted, PeerFailed
 
 FAILED = "lora_eval/failed"  # store key: set by a rank whose work failed
-
-
-class PeerFailed(Exception):
-    """Another rank failed (and says so): this rank stops with the same exit code, printing nothing."""
-
-    def __init__(self, code: int):
-        self.code = code
-        super().__init__(f"another rank failed (exit code {code})")
 
 
 def close_process_group() -> None:

@@ -28,11 +28,12 @@ from .forward import BACKENDS, Forward, to_device
 from .kernels.logprobs import token_logprobs
 from .kernels.tiles import INVARIANT_VOCAB_SPLITS
 from .models import load_model
+from .names import DTYPE_NAMES
 from .prefixes import PREFIX_CACHE_BYTES, PrefixCache, PrefixKV
 from .runners.compile_clock import COMPILE_CLOCK
 from .runners.graphs import BucketPlan, GraphRunner
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DEVICES = ("auto", "cpu", "cuda")
 LOGITS_BUDGET = 1 << 24  # float32 logits held at once (64 MiB)
 

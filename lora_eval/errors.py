@@ -38,3 +38,12 @@ class Interrupted(Exception):
         self.signum = signum
         self.exit_code = 128 + signum  # 130 for SIGINT, 143 for SIGTERM
         super().__init__(message or f"interrupted by {signal.Signals(signum).name}")
+
+
+class PeerFailed(Exception):
+    """Another rank of a multi-process job failed (and says so): this rank stops with the same exit code, printing
+    nothing (distributed.py)."""
+
+    def __init__(self, code: int):
+        self.code = code
+        super().__init__(f"another rank failed (exit code {code})")

@@ -47,7 +47,7 @@ if os.environ.get("RANK") == "1":  # rank 1's third batch fails
 LATE_RANK_0 = '''import os
 if os.environ.get("RANK") == "0":  # rank 0 half a second late with its summary, as a loaded machine makes it
     import time
-    import lora_eval.cli as cli
+    import lora_eval.commands as cli
     original = cli.summary_text
 
     def late(*args, **kwargs):
@@ -58,12 +58,14 @@ if os.environ.get("RANK") == "0":  # rank 0 half a second late with its summary,
 '''
 
 
-def torchrun(ranks: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    """`torchrun --standalone --nproc-per-node RANKS --no-python lora-eval ARGS`, quiet, one thread a worker."""
+def torchrun(ranks: int, args: list[str], env: dict | None = None, plain: bool = False) -> subprocess.Popen:
+    """`lora-eval launch --nproc-per-node RANKS ARGS` (the documented way), or with `plain` torchrun itself
+    (`torchrun --standalone --nproc-per-node RANKS --no-python lora-eval ARGS`); quiet, one thread a worker."""
     full = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", "LORA_EVAL_PART_ITEMS": "1", **(env or {})}
-    return subprocess.Popen(["torchrun", "--standalone", "--nproc-per-node", str(ranks), "--no-python", "lora-eval",
-                             *map(str, args)], cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    launcher = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), "--no-python", "lora-eval"] if plain \
+        else [sys.executable, "-m", "lora_eval", "launch", "--nproc-per-node", str(ranks)]
+    return subprocess.Popen([*launcher, *map(str, args)], cwd=ROOT, env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -155,9 +157,10 @@ def test_a_failing_rank_stops_the_run_in_one_line_and_any_number_of_ranks_resume
     out = tmp_path / "run"
     path = os.pathsep.join(p for p in (str(tmp_path / "inject"), os.environ.get("PYTHONPATH")) if p)
     code, stdout, stderr = finish(torchrun(2, compare_args(art, out), {"PYTHONPATH": path}))
-    assert code != 0 and not out.exists() and parts(out) > 0, stderr[-3000:]
-    assert our_lines(stderr) == ["error: rank 1: unexpected RuntimeError: simulated failure on this rank (a lora-eval "
-                                 "bug or an input it does not check; LORA_EVAL_DEBUG=1 shows the traceback)"], stderr
+    assert code == 3 and not out.exists() and parts(out) > 0, stderr[-3000:]
+    assert stderr.splitlines() == ["error: rank 1: unexpected RuntimeError: simulated failure on this rank (a "
+                                   "lora-eval bug or an input it does not check; LORA_EVAL_DEBUG=1 shows the "
+                                   "traceback)"], stderr
     code, stdout, stderr = finish(torchrun(3, compare_args(art, out)))
     assert code == 1, (stdout, stderr)  # the random reference crosses k2: the same verdict as one process
     assert 0 < record(out)["work"]["resumed_units"] < record(out)["work"]["units"]
@@ -204,6 +207,70 @@ def test_a_rank_killed_mid_run_then_one_process_resumes(art, tmp_path, seed):
                                                        stderr=subprocess.PIPE))
         assert code == 1 and "resuming:" in stderr, stderr
     assert tables(out) == tables(art.baseline)
+
+
+# ---- the exit codes of `lora-eval launch`: those of one process --------------------------------------------
+
+def test_launch_keeps_the_exit_codes_of_one_process(demo, tmp_path):
+    """compare and dump-reference on 2 processes: 1 with its verdict once (a threshold crossed), 2 with one line for
+    a usage error (before any worker starts: nothing else said) and for an input error the workers find (the
+    reference names an adapter not given; a prompts file that is not JSONL), stdout empty. (0: the tests above;
+    3: the failing rank's test; 130 / 143: the stop's test; mmlu: tests/test_mmlu.py.)"""
+    code, stdout, stderr = finish(torchrun(2, [*demo_compare(demo, tmp_path / "strict"), "--max-k2", "0"]))
+    assert code == 1, (stdout, stderr)
+    assert stdout.count("report: ") == 1 and [line for line in stderr.splitlines()] == \
+        ["FAILED: base (k2 > 0); peft-all-linear (k2 > 0); tinker-shared-outer (k2 > 0); overall (k2 > 0)"], stderr
+    usage = finish(torchrun(2, [*demo_compare(demo, tmp_path / "usage"), "--max-k2", "nan"]))
+    assert usage[:2] == (2, "") and usage[2].splitlines() == [
+        "error: Invalid value for '--max-k2': expected a finite number >= 0, got 'nan'"], usage
+    one_adapter = demo_compare(demo, tmp_path / "input")
+    del one_adapter[one_adapter.index("--adapter"):one_adapter.index("--adapter") + 2]  # peft-all-linear not given
+    code, stdout, stderr = finish(torchrun(2, one_adapter))
+    assert (code, stdout) == (2, "") and stderr.splitlines() == [
+        f"error: {demo / 'reference.parquet'}: adapter: names adapter 'peft-all-linear', which was not given; known "
+        "adapters: tinker-shared-outer"], stderr
+    (tmp_path / "prompts.jsonl").write_text("not json\n")
+    code, stdout, stderr = finish(torchrun(2, ["dump-reference", "--model", demo / "model", "--prompts",
+                                              tmp_path / "prompts.jsonl", "--out", tmp_path / "ref.parquet"]))
+    assert (code, stdout) == (2, "") and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith(f"error: {tmp_path / 'prompts.jsonl'}") and not (tmp_path / "ref.parquet").exists()
+    assert not list(tmp_path.glob("*partial*")), list(tmp_path.iterdir())
+    code, stdout, stderr = finish(torchrun(2, ["diagnose", "--model", demo / "model", "--reference",
+                                              demo / "reference.parquet", "--out", tmp_path / "why"]))
+    assert (code, stdout) == (2, "") and stderr.splitlines() == [
+        "error: Invalid value for 'COMMAND': 'diagnose' is not one of 'compare', 'mmlu', 'dump-reference'."], stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_launch_stopped_exits_130_or_143_in_one_line_and_resumes(art, tmp_path, signum):
+    """SIGTERM to the launcher (a scheduler's stop), or SIGINT to its process group (Ctrl-C in a terminal: every
+    worker gets it too), once parts exist: exit 143 / 130, one line (rank 0's), no traceback; the parts are kept
+    and the same command resumes them to tables byte-identical to an uninterrupted run."""
+    out = tmp_path / "run"
+    proc = torchrun(2, compare_args(art, out))
+    assert wait_for(lambda: parts(out) >= 2 or proc.poll() is not None)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    (os.kill if signum == signal.SIGTERM else os.killpg)(proc.pid, signum)
+    code, stdout, stderr = finish(proc)
+    if code == 1 and out.exists():  # the stop landed after rank 0's commit: the run is complete, and must be right
+        assert tables(out) == tables(art.baseline)
+        return
+    assert code == 128 + signum, (code, stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"interrupted by {signal.Signals(signum).name}"), stderr
+    code, stdout, stderr = finish(torchrun(2, compare_args(art, out)))
+    assert code == 1 and "resuming:" in stderr, stderr
+    assert tables(out) == tables(art.baseline)
+
+
+def test_plain_torchrun_exits_1_for_an_input_error(demo, tmp_path):
+    """What README says of plain torchrun: a worker's exit code 2 (bad input) comes out of torchrun as 1, the code of
+    a crossed threshold, beside torchrun's own report of the failed worker."""
+    one_adapter = demo_compare(demo, tmp_path / "input")
+    del one_adapter[one_adapter.index("--adapter"):one_adapter.index("--adapter") + 2]
+    code, stdout, stderr = finish(torchrun(2, one_adapter, plain=True))
+    assert code == 1 and "names adapter 'peft-all-linear', which was not given" in stderr
+    assert "ChildFailedError" in stderr and "exitcode: 2" in stderr, stderr
 
 
 # ---- the exchange of outcomes, two gloo processes ------------------------------------------------------------

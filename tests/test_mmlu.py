@@ -607,7 +607,7 @@ def test_an_interrupted_run_resumes_to_the_same_files(rigged, tmp_path, monkeypa
 
 
 def test_data_parallel_equals_one_process(rigged, tmp_path):
-    """`torchrun --nproc-per-node 2 lora-eval mmlu`: the ranks share the batches, rank 0 merges; every table equals
+    """`lora-eval launch --nproc-per-node 2 mmlu`: the ranks share the batches, rank 0 merges; every table equals
     one process's byte for byte (the torch backend is batch-invariant)."""
     args = ["mmlu", "--model", rigged["model"], "--adapter", f"flip={rigged['adapters']['flip']}", "--data", DATA,
             "--subjects", ",".join(RIG_SUBJECTS), "--limit", RIG_LIMIT, "--shots", 1, "--batch-tokens", 512, "--quiet"]
@@ -617,6 +617,14 @@ def test_data_parallel_equals_one_process(rigged, tmp_path):
     assert len(json.loads((tmp_path / "two" / "run.json").read_text())["work"]["ranks"]) == 2
     for name in ("mmlu_questions.parquet", "mmlu_subjects.csv", "mmlu_summary.csv"):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    # the exit codes of one process (lora-eval launch): 1 with one verdict (flip drops), 2 with one line
+    code, stdout, stderr = finish(torchrun(2, [*args, "--out", tmp_path / "strict", "--max-drop", 0]))
+    assert code == 1 and stdout.count("report: ") == 1 and len(stderr.splitlines()) == 1, (stdout, stderr)
+    assert stderr.startswith("FAILED: flip"), stderr
+    bad = [tmp_path / "nowhere" if a == DATA else a for a in args]
+    code, stdout, stderr = finish(torchrun(2, [*bad, "--out", tmp_path / "three"]))
+    assert (code, stdout) == (2, "") and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith(f"error: {tmp_path / 'nowhere'}") and not (tmp_path / "three").exists()
 
 
 def test_max_drop_boundary_is_exact():

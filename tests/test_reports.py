@@ -665,7 +665,7 @@ def test_mmlu_command_writes_junit(tmp_path, seed, monkeypatch):
     """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.mmlu's, replaced here by
     a synthetic result so no model runs)."""
     result = write_mmlu_run(tmp_path / "run", np.random.default_rng(seed))
-    monkeypatch.setattr(importlib.import_module("lora_eval.cli"), "mmlu", lambda *args, **kwargs: result)
+    monkeypatch.setattr(importlib.import_module("lora_eval.commands"), "mmlu", lambda *args, **kwargs: result)
     junit = tmp_path / "ci" / "mmlu.xml"
     junit.parent.mkdir()
     got = CliRunner().invoke(cli, ["mmlu", "--model", "m", "--data", "d", "--out", str(tmp_path / "run"),
