@@ -198,6 +198,18 @@ PEFT_CASES = {
                         target_parameters=EXPERT_PARAMETERS), PEFT_EXPERTS),
     "layers_to_transform": (dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], layers_to_transform=[0, 2]),
                             set()),
+    # issue 42: every setting that decides the targets, by PEFT's own rules (layers_pattern picks the layer index,
+    # exclude_modules removes one module, target_parameters and modules_to_save ignore layers_to_transform, a
+    # module of modules_to_save is no LoRA target, alpha_pattern keyed to one layer's 3D expert parameter)
+    "layers-pattern-exclude-modules": (dict(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], layers_to_transform=[0, 2],
+        layers_pattern="layers", exclude_modules=["model.layers.2.self_attn.v_proj"]), set()),
+    "layers_to_transform-target-parameters": (dict(
+        r=2, lora_alpha=4, target_modules=["q_proj"], layers_to_transform=[1], target_parameters=EXPERT_PARAMETERS,
+        alpha_pattern={"model.layers.2.mlp.experts.down_proj": 7}), PEFT_EXPERTS),
+    "modules-to-save-layers-and-exclusion": (dict(
+        r=2, lora_alpha=4, target_modules=["q_proj", "k_proj"], layers_to_transform=[0],
+        modules_to_save=["k_proj", "q_norm"]), set()),
     "layers_to_transform-int": (dict(r=2, lora_alpha=4, target_modules=["o_proj"], layers_to_transform=1), set()),
 }
 

@@ -73,24 +73,52 @@ class Adapter:
 
 
 def read_adapter_tensors(adapter_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """All tensors of the adapter's weights file in float32; a `.bin` only through weights_only unpickling."""
+    """All tensors of the adapter's weights file in float32, each checked floating and finite (one reduction per
+    tensor: a NaN or int32 factor is refused here, by file and key, for every command); a `.bin` only through
+    weights_only unpickling."""
     st, binary = adapter_dir / "adapter_model.safetensors", adapter_dir / "adapter_model.bin"
     if st.is_file():
         files = TensorFiles([st])
-        return {k: files.get(k, dtype=torch.float32) for k in files.keys()}, st
+        return {k: _checked(st, k, files.get(k)) for k in files.keys()}, st
     if binary.is_file():
-        try:
-            data = torch.load(binary, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError, OSError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InputError(binary, f"refused: not a plain tensor file (loaded with weights_only=True only): {first}") \
-                from None
-        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                 for k, v in data.items()):
-            raise InputError(binary, "expected a dict of tensor names to tensors")
-        return {k: v.float() for k, v in data.items()}, binary
+        data = _read_bin(binary)
+        return {k: _checked(binary, k, v) for k, v in data.items()}, binary
     raise InputError(adapter_dir, "adapter weights file missing: expected adapter_model.safetensors "
                      "(or adapter_model.bin)")
+
+
+def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A `.bin` state dict read with torch's weights_only unpickler; anything else refused without torch's advice
+    (which suggests weights_only=False: we never unpickle untrusted files)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise InputError(path, "refused: not a plain tensor file (it pickles Python objects other than tensors, and "
+                         "lora-eval never unpickles untrusted files); save the adapter as adapter_model.safetensors") \
+            from None
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    except (RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(path, f"not a readable PyTorch tensor file ({first[:200]}); is it truncated?") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                             for k, v in data.items()):
+        raise InputError(path, "expected a dict of tensor names to tensors")
+    return data
+
+
+def _checked(path: Path, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in float32, refused unless it is floating and every value is finite (in float32 too)."""
+    if not tensor.dtype.is_floating_point:
+        raise InputError(path, f"dtype {str(tensor.dtype).removeprefix('torch.')}, expected a floating-point tensor "
+                         "(an integer or bool LoRA tensor would be cast silently)", key=key)
+    tensor = tensor.to(torch.float32)
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        bad = tensor[~finite]
+        raise InputError(path, f"{bad.numel()} of {tensor.numel()} values are not finite (first: {bad[0].item()}); "
+                         "expected finite numbers", key=key)
+    return tensor
 
 
 def load_adapter(adapter_dir: str | Path, name: str, model, gate_up_layout: str | None = None) -> Adapter:
@@ -100,6 +128,8 @@ def load_adapter(adapter_dir: str | Path, name: str, model, gate_up_layout: str 
     if gate_up_layout not in (None, *GATE_UP_LAYOUTS):
         raise InputError("--gate-up-layout", f"'{gate_up_layout}' is not one of {', '.join(GATE_UP_LAYOUTS)}")
     adapter_dir = Path(adapter_dir)
+    if adapter_dir.is_file():
+        raise InputError(adapter_dir, f"is a file; expected the folder of adapter '{name}' (with adapter_config.json)")
     if not adapter_dir.is_dir():
         raise InputError(adapter_dir, f"adapter folder for '{name}' not found")
     # module paths of older transformers -> ours, per family (e.g. Mixtral's block_sparse_moe -> mlp)
@@ -133,6 +163,8 @@ def _renamed_config(config: AdapterConfig, renames) -> AdapterConfig:
         config, target_modules=_renamed(targets, renames) if isinstance(targets, str)
         else targets and [_renamed(t, renames) for t in targets],
         target_parameters=[_renamed(t, renames) for t in config.target_parameters],
+        exclude_modules=_renamed(config.exclude_modules, renames) if isinstance(config.exclude_modules, str)
+        else [_renamed(m, renames) for m in config.exclude_modules],
         rank_pattern={_renamed(k, renames): v for k, v in config.rank_pattern.items()},
         alpha_pattern={_renamed(k, renames): v for k, v in config.alpha_pattern.items()},
         modules_to_save=[_renamed(m, renames) for m in config.modules_to_save])
@@ -168,11 +200,14 @@ class _Parser:
         for pattern, family in ((LORA_KEY, "lora"), (EMBEDDING_KEY, "embedding")):
             m = pattern.match(k)
             if m:
-                self.pairs.setdefault((m["module"], family), {})[m["ab"]] = (key, tensor)
+                pair = self.pairs.setdefault((m["module"], family), {})
+                if m["ab"] in pair:  # two keys for one factor (e.g. Mixtral's block_sparse_moe and mlp names)
+                    raise self.error(key, f"a second lora_{m['ab']} for {m['module']} (also {pair[m['ab']][0]})")
+                pair[m["ab"]] = (key, tensor)
                 return
         m = OVERRIDE_KEY.match(k)
         if m and m["module"] in self.weight_sites:
-            self._override(key, m["module"], m["param"], bool(m["copy"] and "base_layer" in m["copy"]), tensor)
+            self._override(key, m["module"], m["param"], m["copy"] or "", tensor)
             return
         raise self.error(key, "matches no module of this model; was the adapter made for another architecture?")
 
@@ -187,7 +222,8 @@ class _Parser:
             (a_key, A), (b_key, B) = ab["A"], ab["B"]
             if self._is_known(module) and not self._is_targeted(module):
                 raise self.error(a_key, "LoRA weights for a module that adapter_config.json does not target "
-                                 "(target_modules / target_parameters / layers_to_transform); PEFT would not load them")
+                                 "(target_modules / target_parameters / layers_to_transform / layers_pattern / "
+                                 "exclude_modules / modules_to_save); PEFT would not load them")
             if family == "embedding":
                 self._embedding(module, a_key, A, b_key, B)
             elif module in self.sites.linear:
@@ -203,10 +239,18 @@ class _Parser:
         return module in self.sites.linear or module in self.sites.embedding or self._expert_site(module) is not None
 
     def _is_targeted(self, module: str) -> bool:
+        """Whether resolve_targets chose the module: by its own name (a per-expert or 3D projection too), as the
+        experts module as a whole, or (PEFT target_parameters keys, `experts` / `experts.base_layer`) through one of
+        its parameters: which one is told by the shapes, and checked then (_param_wrapper)."""
         if module in self.targeted or f"{module}.weight" in self.targeted:
             return True
         site = self._expert_site(module)
-        return site is not None and any(t == site or t.startswith(site + ".") for t in self.targeted)
+        if site is None:
+            return False
+        if site in self.targeted:
+            return True
+        return bool(re.fullmatch(r"(\.base_layer)*", module[len(site):])) and any(
+            f"{site}.{param}" in self.targeted for param in ("gate_up_proj", "down_proj"))
 
     # ---- dense targets -------------------------------------------------------------------------------
     def _dense(self, module, a_key, A, b_key, B):
@@ -216,7 +260,7 @@ class _Parser:
         param_key = f"{module}.weight"
         targeted_as_param = any(param_key == p or param_key.endswith(f".{p}") for p in self.config.target_parameters)
         scaling = self._scaling(a_key, param_key if targeted_as_param else module, r)
-        self.adapter.dense[module] = (A, B * scaling)
+        self.adapter.dense[module] = (A, self._fold(b_key, B, scaling))
         self._report(module, r, scaling, A.numel() + B.numel(), "dense")
 
     def _embedding(self, module, a_key, A, b_key, B):
@@ -227,10 +271,15 @@ class _Parser:
         r = self._check(a_key, A, (None, V), rank_dim=0)
         self._check(b_key, B, (H, r))
         scaling = self._scaling(a_key, module, r)
-        self.adapter.embedding[module] = (A.T.contiguous(), B * scaling)
+        self.adapter.embedding[module] = (A.T.contiguous(), self._fold(b_key, B, scaling))
         self._report(module, r, scaling, A.numel() + B.numel(), "embedding")
 
-    def _override(self, key, module, param, is_base_copy, tensor):
+    def _override(self, key, module, param, copy, tensor):
+        """A module's own weight or bias saved in the adapter: under its plain name (how PEFT saves modules_to_save,
+        and how PEFT loads it: into the module, named by modules_to_save or not), as `.base_layer.` (PEFT's copy of
+        a base embedding / lm_head beside its LoRA) or as `.modules_to_save.NAME.` (loaded by PEFT only into a module
+        that modules_to_save names)."""
+        is_base_copy = copy == ".base_layer"
         base = getattr(self.weight_sites[module], param, None)
         if base is None:
             raise self.error(key, f"the model's {module} has no {param}")
@@ -239,6 +288,11 @@ class _Parser:
                 raise UnsupportedError(self.wfile, f"saved base layer of shape {list(tensor.shape)} differs from the "
                                        f"model's {list(base.shape)}: resized vocabularies are not supported", key=key)
             raise self.error(key, f"shape {list(tensor.shape)}, expected {list(base.shape)}")
+        if copy.startswith(".modules_to_save.") and not any(module.endswith(m) for m in self.config.modules_to_save):
+            raise self.error(key, f"a saved copy of {module}, which adapter_config.json's modules_to_save does not "
+                             "name; PEFT would not load it")
+        if param in self.adapter.overrides.get(module, {}):
+            raise self.error(key, f"a second saved {param} for {module}")
         # PEFT saves a copy of the base embedding / lm_head beside their LoRA; unchanged, there is nothing to apply
         # (on a shapes-only model it cannot be told, and applying an unchanged copy changes nothing)
         if is_base_copy and not base.is_meta and torch.equal(tensor.to(base.dtype).cpu(), base.detach().cpu()):
@@ -263,7 +317,7 @@ class _Parser:
                 r = self._check(a_key, A, (None, dims[part][0]), rank_dim=0)
                 self._check(b_key, B, (dims[part][1], r))
                 scaling = self._scaling(a_key, module, r)
-                self.per_expert.setdefault((site, part), {})[e] = (A, B * scaling, scaling)
+                self.per_expert.setdefault((site, part), {})[e] = (A, self._fold(b_key, B, scaling), scaling)
                 self.adapter.layouts.add("per-expert 2D")
                 return
             m = re.fullmatch(r"\.(\w+)", rest)
@@ -278,7 +332,7 @@ class _Parser:
                 scaling = self._scaling(a_key, module, r)
                 if part == "gate_up" and self._fused_gate_up_interleaved(experts, b_key):
                     B = deinterleave_gate_up(B, dim=1)  # [Eb, 2I, r]: gate rows, then up rows
-                self._set_part(site, part, A, B * scaling, a_key, r, scaling)
+                self._set_part(site, part, A, self._fold(b_key, B, scaling), a_key, r, scaling)
                 shared = E > 1 and 1 in (A.shape[0], B.shape[0])
                 self.adapter.layouts.add("shared-outer 3D" if shared else "fused 3D")
                 return
@@ -297,6 +351,9 @@ class _Parser:
                              f"([r*{E}, {H}] / [{2 * I}, r*{E}]) nor down_proj ([r*{E}, {I}] / [{H}, r*{E}])")
         if A.shape[0] % E or B.shape[1] != A.shape[0]:
             raise self.error(a_key, f"rank dim {A.shape[0]} (B: {B.shape[1]}) is not r*{E} for {E} experts")
+        if f"{site}.{param}" not in self.targeted and site not in self.targeted:
+            raise self.error(a_key, f"LoRA weights for {site}.{param}, which adapter_config.json does not target "
+                             "(target_modules / target_parameters / exclude_modules); PEFT would not load them")
         r = A.shape[0] // E
         scaling = self._scaling(a_key, f"{site}.{param}", r)
         A3 = A.reshape(E, r, A.shape[1])  # [E, r, in]
@@ -306,7 +363,7 @@ class _Parser:
         B3 = B.reshape(out, r, E).permute(2, 0, 1)
         if part == "gate_up" and self.sites.experts[site].interleaved_gate_up:  # the delta of the model's own param
             B3 = deinterleave_gate_up(B3, dim=1)  # [E, 2I, r]: gate rows, then up rows
-        self._set_part(site, part, A3, B3 * scaling, a_key, r, scaling)
+        self._set_part(site, part, A3, self._fold(b_key, B3, scaling), a_key, r, scaling)
         self.adapter.layouts.add("PEFT target_parameters")
 
     def _fused_gate_up_interleaved(self, experts, key) -> bool:
@@ -366,6 +423,13 @@ class _Parser:
             raise self.error(key, f"rank {r} in the weights, but adapter_config.json gives r={want_r} for "
                              f"'{pattern_key}' (r / rank_pattern)")
         return scaling
+
+    def _fold(self, key, B, scaling) -> torch.Tensor:
+        """B times the scaling, refused where a finite B and a finite scaling overflow float32."""
+        folded = B * scaling
+        if not bool(torch.isfinite(folded).all()):
+            raise self.error(key, f"times its scaling {scaling:.6g} (lora_alpha / r, alpha_pattern) overflows float32")
+        return folded
 
     def _report(self, site, r, scaling, params, what):
         self.adapter.targets.append(dict(site=site, kind=kind_of(site), part=what, layer=layer_of(site), rank=r,

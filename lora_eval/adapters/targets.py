@@ -64,26 +64,37 @@ def kind_of(name: str) -> str:
 
 
 def resolve_targets(config: AdapterConfig, sites: Sites, outside: tuple[str, ...] = ()) -> list[str]:
-    """Module names the config targets; an entry (or regex) that matches nothing is an InputError, except an entry
-    in `outside`: a module of the trainer's model that ours leaves out (a family's vision tower)."""
+    """The module names (and `module.parameter` names of target_parameters) the config targets: the one place that
+    decides which (layer, module) target_modules, layers_to_transform, layers_pattern, exclude_modules,
+    modules_to_save and target_parameters cover, for every layout, by PEFT's rules (check_target_module_exists,
+    _maybe_include_all_linear_layers, _inject_parameters). An entry (or regex) that matches nothing is an InputError,
+    except an entry in `outside`: a module of the trainer's model that ours leaves out (a family's vision tower);
+    so is a config that targets nothing (PEFT refuses it: NoMatchingPeftModuleError)."""
     names = sites.module_names()
     targets = config.target_modules
-    if targets in ("all-linear", "all"):
-        chosen = [n for n in names if n != "lm_head" and layer_of(n) is not None and n not in sites.embedding]
+    if targets is None:
+        candidates = []
+    elif targets in ("all-linear", "all"):
+        # every projection (the experts' each by its own name, so that exclude_modules can leave one out)
+        candidates = [n for n in names if n != "lm_head" and layer_of(n) is not None and n not in sites.embedding
+                      and n not in sites.experts]
     elif isinstance(targets, str):
-        chosen = [n for n in names if re.fullmatch(targets, n)]
-        if not chosen:
+        candidates = [n for n in names if re.fullmatch(targets, n)]
+        if not candidates:
             raise InputError(config.path, f"regex {targets!r} matches no module of this model", key="target_modules")
     else:
-        chosen = []
-        for entry in targets or []:
+        candidates = []
+        for entry in targets:
             hits = [n for n in names if n == entry or n.endswith(f".{entry}")]
             if not hits and entry not in outside:
                 raise InputError(config.path, f"entry '{entry}' matches no module of this model "
                                  f"(e.g. {', '.join(_examples(names))})", key="target_modules")
-            chosen += hits
-        if config.layers_to_transform is not None:
-            chosen = [n for n in chosen if layer_of(n) in config.layers_to_transform]
+            candidates += hits
+    # PEFT filters by layer only a list of target_modules (config.py refuses the layer settings with a string), and
+    # never target_parameters
+    in_layers = [n for n in candidates if not isinstance(targets, list) or not config.layers_to_transform
+                 or _layer_index(n, config.layers_pattern) in config.layers_to_transform]
+    chosen = [n for n in in_layers if not _excluded(config, n)]
     params = sites.parameter_names()
     for entry in config.target_parameters:
         hits = [p for p in params if p == entry or p.endswith(f".{entry}")]
@@ -91,7 +102,47 @@ def resolve_targets(config: AdapterConfig, sites: Sites, outside: tuple[str, ...
             raise InputError(config.path, f"entry '{entry}' matches no parameter of this model "
                              f"(e.g. {', '.join(_examples(params))})", key="target_parameters")
         chosen += hits
+    if not chosen:
+        raise _targets_nothing(config, candidates, in_layers, sites)
     return sorted(set(chosen))
+
+
+def _layer_index(name: str, layers_pattern: list[str]) -> int | None:
+    """PEFT's layer index of a module name: its first numbered segment, or the number after a layers_pattern."""
+    if not layers_pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        m = None
+        for pattern in layers_pattern:
+            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+            if m:
+                break
+    return int(m["idx"]) if m else None
+
+
+def _excluded(config: AdapterConfig, name: str) -> bool:
+    """PEFT leaves out of LoRA a module that exclude_modules names, and one inside a module of modules_to_save."""
+    exclude = config.exclude_modules
+    if isinstance(exclude, str):
+        if re.fullmatch(exclude, name):
+            return True
+    elif name in exclude or any(name.endswith(f".{e}") for e in exclude):
+        return True
+    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.modules_to_save)
+
+
+def _targets_nothing(config: AdapterConfig, candidates: list[str], in_layers: list[str], sites: Sites) -> InputError:
+    """The error for a config that targets no module and no parameter, naming the setting that removed them all."""
+    if not candidates:
+        return InputError(config.path, "targets nothing: neither target_modules nor target_parameters names a module "
+                          "of this model", key="target_modules")
+    if not in_layers:
+        layers = sorted({i for n in sites.module_names() if (i := layer_of(n)) is not None})
+        pattern = f" (layers_pattern {config.layers_pattern})" if config.layers_pattern else ""
+        return InputError(config.path, f"{config.layers_to_transform}{pattern} selects no layer of the targeted "
+                          f"modules; this model has layers {layers[0]}-{layers[-1]}", key="layers_to_transform")
+    key = "exclude_modules" if config.exclude_modules else "modules_to_save"
+    return InputError(config.path, f"every module that target_modules names is excluded by {key}", key=key)
 
 
 def _examples(names: list[str]) -> list[str]:
