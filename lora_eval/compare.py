@@ -233,7 +233,7 @@ def sample_prefixes(refs: pd.DataFrame, min_shared: int = MIN_SHARED_TOKENS) -> 
 
 def unchanged_adapters(adapters: list[Adapter]) -> dict[str, str]:
     """Adapters whose files already show that they change nothing in this model (name -> why): no LoRA weight of
-    theirs applies to a module of it (every key skipped, or `layers_to_transform` leaving none), or every LoRA delta
+    theirs applies to a module of it (every key skipped, or an empty weights file), or every LoRA delta
     is zero (lora_B all zero, scaling folded in; or a zero lora_A beside each nonzero B) and they save no module.
     Checked on the factors read before the model loads: cheap."""
     found = {}

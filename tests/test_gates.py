@@ -1,8 +1,8 @@
 """The gates of `compare` (issue #28): "adapter applied" and `--max-k2-over-floor`.
 
 One module fixture: the tiny Qwen3-MoE checkpoint (session fixture), three adapters — `good` (PEFT all-linear,
-random factors), `zero` (the same files with every lora_B zero) and `nomatch` (targets q_proj in layer 7 of a
-3-layer model: no LoRA weight applies) — and references made by our own engine in this process (float32 CPU, one
+random factors), `zero` (the same files with every lora_B zero) and `nomatch` (targets q_proj but its file holds no
+weights: no LoRA weight applies) — and references made by our own engine in this process (float32 CPU, one
 thread), so every d is exactly 0 but for the edits a test makes:
 
 1. zero and nomatch fail the applied gate (exit 1, named with the reason in the summary, the verdict line, the
@@ -117,7 +117,7 @@ def art(tmp_path_factory, moe_model, session_seed) -> Artefacts:
     nomatch = root / "nomatch"
     nomatch.mkdir()
     (nomatch / "adapter_config.json").write_text(json.dumps(dict(
-        peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"], layers_to_transform=[7])))
+        peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"])))
     save_file({}, str(nomatch / "adapter_model.safetensors"))
     a.adapters = {"good": good, "zero": zero, "nomatch": nomatch}
 
