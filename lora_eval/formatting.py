@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .mmlu_stats import ALPHA, MIN_SIGNIFICANT, significant_subjects
+from .mmlu_stats import ALPHA, MIN_SIGNIFICANT, significant_subjects, subject_tests
 from .results import WRITTEN_AFTER_REPORTS
 
 # compare summary columns shown to people (k2_over_floor only where the references give a floor: shown_columns)
@@ -148,6 +148,13 @@ def significance_note() -> str:
             f"at least {MIN_SIGNIFICANT} questions that changed to be listed (all {MIN_SIGNIFICANT} on one side give "
             f"p = {fewest:.3f}, {MIN_SIGNIFICANT - 1} give {fewer:.4f}). fixed: base wrong, adapter right; broken: "
             "the reverse.")
+
+
+def with_p_values(subjects: pd.DataFrame, questions: pd.DataFrame) -> pd.DataFrame:
+    """Subject rows (model, subject, ...) with their fixed, broken and exact McNemar p_value (NaN for base), so that
+    an interval is never read without the test that decides significance (mmlu_stats' docstring)."""
+    tests = subject_tests(questions)[["model", "subject", "fixed", "broken", "p_value"]]
+    return subjects.merge(tests, on=["model", "subject"], how="left", validate="one_to_one")
 
 
 def significance_rows(questions: pd.DataFrame) -> pd.DataFrame:

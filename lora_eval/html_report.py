@@ -14,7 +14,7 @@ import pandas as pd
 from . import plots
 from .formatting import (cell, compare_verdict, display_table, gate_lines, mmlu_verdict, model_line, report_timings,
                          shown_columns, shown_text, significance_note, significance_rows, threshold_text,
-                         thresholds_sentence, versions_of)
+                         thresholds_sentence, versions_of, with_p_values)
 from .names import BASE
 from .results import WORST_PER_ADAPTER
 
@@ -193,6 +193,7 @@ def mmlu_html(run) -> str:
     significant = significance_rows(run.questions)
     body += ["<h2>Subjects that differ from base</h2>", f'<p class="note">{_esc(significance_note())}</p>',
              html_table(significant) if len(significant) else "<p>None.</p>",
-             "<details><summary>All subjects</summary>" + html_table(subjects) + "</details>"]
+             "<details><summary>All subjects</summary>" + html_table(with_p_values(subjects, run.questions)) +
+             "</details>"]
     body += _run_facts(run.run)
     return _page(f"lora-eval mmlu: {mmlu_verdict(summary, args.get('max_drop'))}", not any(failed), body)

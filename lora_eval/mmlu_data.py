@@ -103,6 +103,10 @@ def _read_csv(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame]]:
     if not files:
         raise InputError(folder, f"no {split} questions: expected <subject>_{split}.csv files here (the original "
                          "MMLU release), cais/mmlu parquet files or a folder saved by datasets under the data folder")
+    stray = [f for f in sorted(folder.iterdir()) if f.suffix.lower() == ".csv" and f not in files]
+    if stray:  # (skipped, its subject would be missing from the run without a word)
+        raise InputError(stray[0], f"a CSV file in {split}/ not named <subject>_{split}.csv; rename it (e.g. "
+                         f"anatomy_{split}.csv) or move it out of the data folder")
     parts = []
     for path in files:  # every field a string, exactly as written
         lines, records = _csv_records(path)

@@ -16,9 +16,11 @@ sqrt(sum se_s^2) / S (subjects independent, se_s Agresti-Min's).
 
 Significance (which subjects a report says differ from base): the exact two-sided McNemar test, i.e. the sign test
 on the discordant questions (under no difference each is fixed or broken with probability 1/2), p < ALPHA. It is
-exact at any n, where any interval's coverage is only approximate at small n; the concordant questions carry no
-information about the difference. With every discordant question on one side p = 2 * 0.5^k, so a subject needs at
-least MIN_SIGNIFICANT = 6 discordant questions (hence 6 questions) to be reported at all: 5 give p = 0.0625.
+exact at any n, where any interval's coverage is only approximate at small n (Agresti-Min's of 3 questions all
+broken is [-1, -0.02], while p = 0.25); the concordant questions carry no information about the difference. With
+every discordant question on one side p = 2 * 0.5^k, so a subject needs at least MIN_SIGNIFICANT = 6 discordant
+questions (hence 6 questions) to be reported at all: 5 give p = 0.0625. The reports show each subject's p beside
+its interval, and list as different from base only the subjects with p < ALPHA.
 
 `max_drop` is in percentage points of micro accuracy: an adapter fails when 100 * (base - adapter) > max_drop.
 """
@@ -146,19 +148,23 @@ def summary_table(questions: pd.DataFrame, max_drop: float | None = None) -> pd.
     return _model_order(pd.DataFrame(rows), with_diff)[MMLU_SUMMARY_COLUMNS]
 
 
-def significant_subjects(questions: pd.DataFrame) -> pd.DataFrame:
-    """Per (adapter, subject) whose answers differ from base's by the exact McNemar test (p < ALPHA; so at least
-    MIN_SIGNIFICANT questions changed): questions, fixed, broken, delta, p_value; adapters in order, then by p."""
+def subject_tests(questions: pd.DataFrame) -> pd.DataFrame:
+    """Per (adapter, subject): questions, fixed, broken, delta and the exact McNemar p_value; adapters in order."""
     with_diff = _with_diff(questions)
     rows = []
     for (model, subject), group in with_diff[with_diff["model"] != BASE].groupby(["model", "subject"], sort=False):
         fixed, broken = discordant(group["diff"].to_numpy())
-        p = mcnemar_p(fixed, broken)
-        if p < ALPHA:
-            rows.append(dict(model=model, subject=subject, questions=len(group), fixed=fixed, broken=broken,
-                             delta=(fixed - broken) / len(group), p_value=p))
-    frame = pd.DataFrame(rows, columns=["model", "subject", "questions", "fixed", "broken", "delta", "p_value"])
-    return _model_order(frame.sort_values(["p_value", "subject"], kind="stable"), with_diff)
+        rows.append(dict(model=model, subject=subject, questions=len(group), fixed=fixed, broken=broken,
+                         delta=(fixed - broken) / len(group), p_value=mcnemar_p(fixed, broken)))
+    return pd.DataFrame(rows, columns=["model", "subject", "questions", "fixed", "broken", "delta", "p_value"])
+
+
+def significant_subjects(questions: pd.DataFrame) -> pd.DataFrame:
+    """The subject_tests rows whose answers differ from base's by the exact McNemar test, p < ALPHA (so at least
+    MIN_SIGNIFICANT questions changed); adapters in order, then by p."""
+    tests = subject_tests(questions)
+    return _model_order(tests[tests["p_value"] < ALPHA].sort_values(["p_value", "subject"], kind="stable"),
+                        questions)
 
 
 def passes(rows: pd.DataFrame, max_drop: float | None) -> bool:

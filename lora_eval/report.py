@@ -14,7 +14,7 @@ import pandas as pd
 from .errors import InputError
 from .formatting import (compare_verdict, display_table, fixed_width, gate_lines, markdown_table, mmlu_verdict,
                          model_line, points, report_timings, shown_columns, shown_text, significance_note,
-                         significance_rows, threshold_text, thresholds_sentence, versions_of)
+                         significance_rows, threshold_text, thresholds_sentence, versions_of, with_p_values)
 from .diagnose_report import diagnose_html, diagnose_markdown
 from .html_report import compare_html, mmlu_html
 from .names import BASE
@@ -114,13 +114,15 @@ def mmlu_markdown(result: MmluResult) -> str:
         order = {m: i for i, m in enumerate(result.subjects["model"].unique())}
         worst = subjects.sort_values(["delta", "subject"]).groupby("model", sort=False).head(10)
         worst = worst.sort_values("model", key=lambda s: s.map(order), kind="stable")  # per adapter, worst first
+        worst = with_p_values(worst, result.questions)
         lines += ["## Subjects with the largest drops", "",
                   markdown_table(pd.DataFrame({
                       "model": worst["model"], "subject": worst["subject"], "questions": worst["questions"].astype(str),
                       "accuracy %": [f"{100 * a:.1f}" for a in worst["accuracy"]],
                       "delta (points)": [points(d) for d in worst["delta"]],
                       "95% interval": ["" if math.isnan(lo) else f"[{points(lo)}, {points(hi)}]"
-                                       for lo, hi in zip(worst["delta_low"], worst["delta_high"])]})), ""]
+                                       for lo, hi in zip(worst["delta_low"], worst["delta_high"])],
+                      "p (exact)": [f"{p:.3g}" for p in worst["p_value"]]})), ""]
     significant = significance_rows(result.questions)
     lines += ["## Subjects that differ from base", "", significance_note(), "",
               markdown_table(significant) if len(significant) else "None.", ""]

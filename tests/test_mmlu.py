@@ -13,7 +13,7 @@
    and `--max-drop` turns them into exit 1 or 0; a run tokenised beside the model's load equals one tokenised
    first, byte for byte;
 5. bad data: a missing column, an answer outside A-D, an empty file, a subject without dev examples name the
-   file and the row; a tokenizer that splits " A" is refused;
+   file and the line (CSV) or row; a tokenizer that splits " A" is refused;
 6. the engine's last-position scores against transformers (+ PEFT) float32 full logits; mixed batches.
 
 Seeds are fresh every run (the `seed` / `session_seed` fixtures print them).

@@ -221,6 +221,14 @@ def test_repeated_questions(data):
                        f"of line {starts[r]} again, with answer {rows[s][5]} where line {starts[r]} has {rows[r][5]}")
 
 
+@pytest.mark.parametrize("name", ["virology_tst.csv", "virology_test.CSV", "virology.csv"])
+def test_a_misnamed_csv_is_not_skipped(data, name):
+    """A CSV of the split folder that the reader's pattern misses was skipped: its subject left out of the run."""
+    root, _, _ = data
+    stray = shutil.copy(DATA / "test" / "virology_test.csv", root / "test" / name)
+    assert_input_error(run_cli(*mmlu_args(root)), f"{stray}: a CSV file in test/ not named <subject>_test.csv")
+
+
 def test_the_real_release_still_reads_whole():
     for split, total in (("test", 14_042), ("dev", 285), ("val", 1_531)):
         layout, files, frame = read_split(DATA, split)
@@ -316,6 +324,12 @@ def test_small_subjects_are_never_significant(seed):
     md, page = render_report(result, "md"), render_report(result, "html")
     section = md.split("## Subjects that differ from base")[1].split("## Run")[0]
     assert "| lora | astronomy | 6 | 0 | 6 | -100.0 | 0.0312 |" in section and "virology" not in section
+    drops = md.split("## Subjects with the largest drops")[1].split("## Subjects that differ")[0]
+    # 5 of 5 broken: Agresti-Min's interval leaves out 0, the exact test does not; the p is shown beside it
+    low, high = subjects.loc[("lora", "anatomy"), ["delta_low", "delta_high"]]
+    assert high < 0 and "anatomy" not in section
+    assert f"| lora | anatomy | 5 | 0.0 | -100.0 | [{100 * low:+.1f}, {100 * high:+.1f}] | 0.0625 |" in drops
+    assert "| lora | virology | 2 | 0.0 | -100.0 | [-100.0, +19.3] | 0.5 |" in drops
     assert "excludes 0" not in page and "<h2>Subjects that differ from base</h2>" in page
     listed = page.split("<h2>Subjects that differ from base</h2>")[1].split("<details>")[0]
     assert "astronomy" in listed and "virology" not in listed and "anatomy" not in listed
