@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from .mmlu_stats import ALPHA, MIN_SIGNIFICANT, significant_subjects, subject_tests
 from .results import WRITTEN_AFTER_REPORTS
 
 # compare summary columns shown to people (k2_over_floor only where the references give a floor: shown_columns)
@@ -75,6 +76,17 @@ def compare_verdict(summary: pd.DataFrame, gates: pd.DataFrame) -> str:
     return "PASSED" if not failed else "FAILED: " + "; ".join(failed)
 
 
+def threshold_text(name: str, value, unit: str = "") -> str:
+    """'k2 <= 0.005' for a threshold that was given, 'k2 off' for one that was not (never '<= None')."""
+    return f"{name} off" if value is None else f"{name} <= {value}{unit}"
+
+
+def thresholds_sentence(args: dict) -> str:
+    """compare's thresholds for the first line of its reports: 'thresholds: k2 <= 0.005, mean_abs_diff off'."""
+    return (f"thresholds: {threshold_text('k2', args.get('max_k2'))}, "
+            f"{threshold_text('mean_abs_diff', args.get('max_mean_abs_diff'))}{floor_clause(args)}")
+
+
 def floor_clause(args: dict) -> str:
     """', k2 <= X x the sampler's floor' for the thresholds sentence of a report, where --max-k2-over-floor is set."""
     limit = args.get("max_k2_over_floor")
@@ -127,6 +139,31 @@ def display_table(summary: pd.DataFrame) -> pd.DataFrame:
         "95% interval": ["" if math.isnan(lo) else f"[{points(lo)}, {points(hi)}]"
                          for lo, hi in zip(summary["delta_low"], summary["delta_high"])],
         "passed": summary["passed"]})
+
+
+def significance_note() -> str:
+    """What the reports' 'differ from base' list means, and why small subjects never appear in it."""
+    fewest, fewer = 2 * 0.5 ** MIN_SIGNIFICANT, 2 * 0.5 ** (MIN_SIGNIFICANT - 1)  # all on one side
+    return (f"Exact two-sided McNemar test (sign test on the questions that changed), p < {ALPHA:g}: a subject needs "
+            f"at least {MIN_SIGNIFICANT} questions that changed to be listed (all {MIN_SIGNIFICANT} on one side give "
+            f"p = {fewest:.3f}, {MIN_SIGNIFICANT - 1} give {fewer:.4f}). fixed: base wrong, adapter right; broken: "
+            "the reverse.")
+
+
+def with_p_values(subjects: pd.DataFrame, questions: pd.DataFrame) -> pd.DataFrame:
+    """Subject rows (model, subject, ...) with their fixed, broken and exact McNemar p_value (NaN for base), so that
+    an interval is never read without the test that decides significance (mmlu_stats' docstring)."""
+    tests = subject_tests(questions)[["model", "subject", "fixed", "broken", "p_value"]]
+    return subjects.merge(tests, on=["model", "subject"], how="left", validate="one_to_one")
+
+
+def significance_rows(questions: pd.DataFrame) -> pd.DataFrame:
+    """The subjects that differ from base (mmlu_stats.significant_subjects), for people."""
+    rows = significant_subjects(questions)
+    return pd.DataFrame({"model": rows["model"], "subject": rows["subject"], "questions": rows["questions"].astype(str),
+                         "fixed": rows["fixed"].astype(str), "broken": rows["broken"].astype(str),
+                         "delta (points)": [points(d) for d in rows["delta"]],
+                         "p (exact)": [f"{p:.3g}" for p in rows["p_value"]]})
 
 
 def mmlu_verdict(summary: pd.DataFrame, max_drop: float | None) -> str:

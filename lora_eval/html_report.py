@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 
 from . import plots
-from .formatting import (cell, compare_verdict, display_table, floor_clause, gate_lines, mmlu_verdict, model_line,
-                         report_timings, shown_columns, shown_text, versions_of)
+from .formatting import (cell, compare_verdict, display_table, gate_lines, mmlu_verdict, model_line, report_timings,
+                         shown_columns, shown_text, significance_note, significance_rows, threshold_text,
+                         thresholds_sentence, versions_of, with_p_values)
 from .names import BASE
 from .results import WORST_PER_ADAPTER
 
@@ -110,9 +111,8 @@ def compare_html(result) -> str:
     args = run.get("arguments", {})
     failed = [not bool(p) for p in summary["passed"]]
     verdict = compare_verdict(summary, result.gates)
-    body = [f"<p>{_model(run)}; thresholds: k2 &le; {_esc(args.get('max_k2'))}, mean_abs_diff &le; "
-            f"{_esc(args.get('max_mean_abs_diff'))}{_esc(floor_clause(args))}. Per token <code>d = ref - engine</code> "
-            "over masked positions.</p>",
+    body = [f"<p>{_model(run)}; {_esc(thresholds_sentence(args))}. Per token <code>d = ref - engine</code> over "
+            "masked positions.</p>",
             "<h2>Summary</h2>", html_table(summary[shown_columns(summary)], failed),
             "<h2>Gates</h2>", "<ul>" + "".join(f"<li>{_esc(line)}</li>" for line in gate_lines(result.gates, run))
             + "</ul>"]
@@ -179,8 +179,9 @@ def mmlu_html(run) -> str:
     summary, subjects, args = run.summary, run.subjects, run.run.get("arguments", {})
     failed = [not bool(p) for p in summary["passed"]]
     body = [f"<p>{_model(run.run)}; {_esc(run.run.get('questions'))} {_esc(args.get('split'))} questions, "
-            f"{_esc(args.get('shots'))}-shot; max drop {_esc(args.get('max_drop'))} points of micro accuracy. "
-            "Deltas (adapter - base, in points) are paired per question, with 95% intervals.</p>",
+            f"{_esc(args.get('shots'))}-shot; "
+            f"{_esc(threshold_text('max drop', args.get('max_drop'), ' points of micro accuracy'))}. "
+            "Deltas (adapter - base, in points) are paired per question, with 95% intervals (Agresti-Min).</p>",
             "<h2>Summary</h2>", html_table(display_table(summary), failed),
             html_figure(plots.mmlu_group_deltas(summary), "accuracy difference to base by group"),
             "<h2>Per subject: adapter - base</h2>",
@@ -189,10 +190,10 @@ def mmlu_html(run) -> str:
         body += ["<h2>Answers changed against base</h2>",
                  "<p><code>fixed</code>: base wrong, adapter right; <code>broken</code>: base right, adapter "
                  "wrong.</p>", html_table(answer_changes(run.questions))]
-    rows = subjects[subjects["model"] != BASE]
-    clear = rows[(rows["delta_low"] > 0) | (rows["delta_high"] < 0)].sort_values(["model", "delta", "subject"])
-    body += ["<h2>Subjects whose interval excludes 0</h2>",
-             html_table(clear) if len(clear) else "<p>None.</p>",
-             "<details><summary>All subjects</summary>" + html_table(subjects) + "</details>"]
+    significant = significance_rows(run.questions)
+    body += ["<h2>Subjects that differ from base</h2>", f'<p class="note">{_esc(significance_note())}</p>',
+             html_table(significant) if len(significant) else "<p>None.</p>",
+             "<details><summary>All subjects</summary>" + html_table(with_p_values(subjects, run.questions)) +
+             "</details>"]
     body += _run_facts(run.run)
     return _page(f"lora-eval mmlu: {mmlu_verdict(summary, args.get('max_drop'))}", not any(failed), body)

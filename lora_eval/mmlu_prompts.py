@@ -103,7 +103,7 @@ def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | Non
             while max_len is not None and len(ids[i]) > max_len:
                 if used[i] == 0:
                     raise InputError(q["file"], f"the prompt is {len(ids[i])} tokens even without shots, more than "
-                                     f"the model's max_position_embeddings ({max_len})", key=f"row {q['row']}")
+                                     f"the model's max_position_embeddings ({max_len})", key=q["key"])
                 used[i] -= 1
                 ids[i] = encode(tokenizer, [prefixes[q["subject"]][used[i]] + format_question(q, False)])[0]
     finally:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pandas as pd
 
 from .errors import InputError
-from .formatting import (compare_verdict, display_table, fixed_width, floor_clause, gate_lines, markdown_table,
-                         mmlu_verdict, model_line, points, report_timings, shown_columns, shown_text, versions_of)
+from .formatting import (compare_verdict, display_table, fixed_width, gate_lines, markdown_table, mmlu_verdict,
+                         model_line, points, report_timings, shown_columns, shown_text, significance_note,
+                         significance_rows, threshold_text, thresholds_sentence, versions_of, with_p_values)
 from .diagnose_report import diagnose_html, diagnose_markdown
 from .html_report import compare_html, mmlu_html
 from .names import BASE
@@ -59,8 +60,7 @@ def compare_markdown(result: CompareResult) -> str:
     summary, run = result.summary, result.run
     args = run.get("arguments", {})
     lines = [f"# lora-eval compare: {compare_verdict(summary, result.gates)}", "",
-             f"{model_line(run)}; thresholds: k2 <= {args.get('max_k2')}, mean_abs_diff <= "
-             f"{args.get('max_mean_abs_diff')}{floor_clause(args)}.", "",
+             f"{model_line(run)}; {thresholds_sentence(args)}.", "",
              "## Summary", "", markdown_table(summary[shown_columns(summary)]), "",
              "## Gates", "", *[f"* {line}" for line in gate_lines(result.gates, run)], ""]
     if len(result.gates):
@@ -102,7 +102,8 @@ def mmlu_markdown(result: MmluResult) -> str:
     summary = result.summary
     lines = [f"# lora-eval mmlu: {verdict(result)}", "",
              f"{model_line(run)}; {run.get('questions')} {args.get('split')} questions, {args.get('shots')}-shot; "
-             f"max drop {args.get('max_drop')} points. Deltas are paired per question, 95% intervals.", "",
+             f"{threshold_text('max drop', args.get('max_drop'), ' points')}. Deltas are paired per question, 95% "
+             "intervals (Agresti-Min).", "",
              "## Micro and macro", "",
              markdown_table(display_table(summary[summary["group"].isin(["micro", "macro"])])), "",
              "## Categories (micro within each)", "",
@@ -113,13 +114,18 @@ def mmlu_markdown(result: MmluResult) -> str:
         order = {m: i for i, m in enumerate(result.subjects["model"].unique())}
         worst = subjects.sort_values(["delta", "subject"]).groupby("model", sort=False).head(10)
         worst = worst.sort_values("model", key=lambda s: s.map(order), kind="stable")  # per adapter, worst first
+        worst = with_p_values(worst, result.questions)
         lines += ["## Subjects with the largest drops", "",
                   markdown_table(pd.DataFrame({
                       "model": worst["model"], "subject": worst["subject"], "questions": worst["questions"].astype(str),
                       "accuracy %": [f"{100 * a:.1f}" for a in worst["accuracy"]],
                       "delta (points)": [points(d) for d in worst["delta"]],
                       "95% interval": ["" if math.isnan(lo) else f"[{points(lo)}, {points(hi)}]"
-                                       for lo, hi in zip(worst["delta_low"], worst["delta_high"])]})), ""]
+                                       for lo, hi in zip(worst["delta_low"], worst["delta_high"])],
+                      "p (exact)": [f"{p:.3g}" for p in worst["p_value"]]})), ""]
+    significant = significance_rows(result.questions)
+    lines += ["## Subjects that differ from base", "", significance_note(), "",
+              markdown_table(significant) if len(significant) else "None.", ""]
     prompts = run.get("prompts", {})
     lines += ["## Run", "",
               f"{run.get('rows')} scored rows in {run.get('batches')} batches, padding waste "

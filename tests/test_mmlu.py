@@ -13,7 +13,7 @@
    and `--max-drop` turns them into exit 1 or 0; a run tokenised beside the model's load equals one tokenised
    first, byte for byte;
 5. bad data: a missing column, an answer outside A-D, an empty file, a subject without dev examples name the
-   file and the row; a tokenizer that splits " A" is refused;
+   file and the line (CSV) or row; a tokenizer that splits " A" is refused;
 6. the engine's last-position scores against transformers (+ PEFT) float32 full logits; mixed batches.
 
 Seeds are fresh every run (the `seed` / `session_seed` fixtures print them).
@@ -44,7 +44,7 @@ from lora_eval.mmlu import subject_prefixes
 from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
 from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize, tokenize_prompts
 from lora_eval.mmlu_tokenize import TokenizeBeside
-from lora_eval.mmlu_stats import paired_delta, passes
+from lora_eval.mmlu_stats import mcnemar_p, paired_interval, passes
 from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
 from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
 from lora_eval.tokenizer import load_tokenizer
@@ -415,7 +415,7 @@ def test_shots_are_dropped_until_the_prompt_fits(real, bpe):
     assert used == expected and 0 < sum(u < 5 for u in used) < len(used)
     for i, k in enumerate(used):
         assert ids[i] == bpe(prompts(questions.iloc[[i]], dev, k)[0])["input_ids"] and len(ids[i]) <= max_len
-    with pytest.raises(InputError, match=r"high_school_geography_test.csv: row \d+: the prompt is \d+ tokens even "
+    with pytest.raises(InputError, match=r"high_school_geography_test.csv: line \d+: the prompt is \d+ tokens even "
                                          r"without shots"):
         tokenize_prompts(bpe, questions, dev, 5, int(lengths[:, 0].min()) - 1)
 
@@ -502,14 +502,23 @@ def rigged(tmp_path_factory, session_seed, bpe_dir, bpe, real):
     return dict(model=model_dir, adapters=adapters, x=LETTERS[x], y=LETTERS[y], answers=questions)
 
 
+def agresti_min(fixed: int, broken: int, n: int) -> tuple[float, float, float]:
+    """(low, high, se): Wald on the 2x2 table of (adapter, base) right/wrong over n questions with half a question
+    added to each of its four cells, clipped to [-1, 1] (Agresti and Min 2005)."""
+    total = n + 2
+    up, down = (fixed + 0.5) / total, (broken + 0.5) / total
+    se = math.sqrt((up + down - (up - down) ** 2) / total)
+    return max(up - down - 1.96 * se, -1), min(up - down + 1.96 * se, 1), se
+
+
 def hand_numbers(answers: pd.DataFrame, x: str, y: str) -> dict:
     """Accuracies and deltas for 'base and attn answer x, flip answers y', computed from the answer key."""
     out = {}
     for subject, rows in answers.groupby("subject"):
         d = (rows["answer"] == y).to_numpy(float) - (rows["answer"] == x).to_numpy(float)
-        se = d.std(ddof=1) / math.sqrt(len(d))
+        low, high, se = agresti_min(int((d > 0).sum()), int((d < 0).sum()), len(d))
         out[subject] = dict(base=(rows["answer"] == x).mean(), flip=(rows["answer"] == y).mean(), delta=d.mean(),
-                            low=d.mean() - 1.96 * se, high=d.mean() + 1.96 * se, se=se, d=d)
+                            low=low, high=high, se=se, d=d)
     return out
 
 
@@ -533,19 +542,21 @@ def test_rigged_letter_scores_its_share(rigged, tmp_path):
         assert subjects.loc[("base", subject), "accuracy"] == h["base"]  # exactly the letter's share
         assert subjects.loc[("attn", subject), "accuracy"] == h["base"]
         assert subjects.loc[("flip", subject), "accuracy"] == h["flip"]
-        assert subjects.loc[("attn", subject), ["delta", "delta_low", "delta_high"]].tolist() == [0, 0, 0]
+        unchanged = 1.96 / (len(h["d"]) + 2)  # no answer changed: Agresti-Min's 1.96 * sqrt(1 / (n + 2)) / sqrt(n + 2)
+        assert subjects.loc[("attn", subject), ["delta", "delta_low", "delta_high"]].tolist() == pytest.approx(
+            [0, -unchanged, unchanged], abs=1e-12)
         assert subjects.loc[("flip", subject), ["delta", "delta_low", "delta_high"]].tolist() == pytest.approx(
             [h["delta"], h["low"], h["high"]], abs=1e-12)
         assert math.isnan(subjects.loc[("base", subject), "delta"])
     d_all = np.concatenate([h["d"] for h in hand.values()])
-    se = d_all.std(ddof=1) / math.sqrt(len(d_all))
+    low, high, _ = agresti_min(int((d_all > 0).sum()), int((d_all < 0).sum()), len(d_all))
     assert summary.loc[("flip", "micro"), ["accuracy", "delta", "delta_low", "delta_high"]].tolist() == pytest.approx(
-        [(answers["answer"] == y).mean(), d_all.mean(), d_all.mean() - 1.96 * se, d_all.mean() + 1.96 * se], abs=1e-12)
+        [(answers["answer"] == y).mean(), d_all.mean(), low, high], abs=1e-12)
     macro_delta = np.mean([h["delta"] for h in hand.values()])
     macro_se = math.sqrt(sum(h["se"] ** 2 for h in hand.values())) / len(hand)
     assert summary.loc[("flip", "macro"), ["accuracy", "delta", "delta_low", "delta_high"]].tolist() == pytest.approx(
-        [np.mean([h["flip"] for h in hand.values()]), macro_delta, macro_delta - 1.96 * macro_se,
-         macro_delta + 1.96 * macro_se], abs=1e-12)
+        [np.mean([h["flip"] for h in hand.values()]), macro_delta, max(macro_delta - 1.96 * macro_se, -1),
+         min(macro_delta + 1.96 * macro_se, 1)], abs=1e-12)
     for subject in RIG_SUBJECTS:  # one subject per category here: the category row is that subject's
         category = CATEGORIES[subject]
         assert summary.loc[("flip", category), "delta"] == pytest.approx(hand[subject]["delta"], abs=1e-12)
@@ -632,12 +643,16 @@ def test_max_drop_boundary_is_exact():
     assert passes(rows, 25.0) and not passes(rows, 24.99) and passes(rows, None)  # 25 points: not more than 25
 
 
-def test_paired_delta_by_hand():
-    d = np.array([1, 0, -1, 1, 1, 0, 0, 1], dtype=float)  # mean 3/8
-    squares = 4 * (5 / 8) ** 2 + 3 * (3 / 8) ** 2 + (11 / 8) ** 2  # four 1s, three 0s, one -1: 248/64
-    mean, se = paired_delta(d)
-    assert mean == 3 / 8 and se == pytest.approx(math.sqrt(squares / 7 / 8), rel=1e-12)
-    assert math.isnan(paired_delta(np.array([1.0]))[1]) and paired_delta(np.zeros(5)) == (0.0, 0.0)
+def test_paired_interval_and_exact_test_by_hand():
+    # 8 questions: 4 fixed, 1 broken, 3 unchanged; half a question more in each cell: 10, 0.45 up, 0.15 down
+    low, high, se = paired_interval(4, 1, 8)
+    assert se == pytest.approx(math.sqrt((0.6 - 0.3 ** 2) / 10), rel=1e-12)
+    assert (low, high) == pytest.approx((0.3 - 1.96 * se, 0.3 + 1.96 * se), rel=1e-12)
+    low, high, _ = paired_interval(0, 2, 2)  # two questions both broken: no longer [-1, -1], and 0 inside
+    assert low == -1 and high == pytest.approx(-0.5 + 1.96 * math.sqrt(0.125), rel=1e-12) and high > 0
+    assert all(math.isnan(v) for v in paired_interval(0, 0, 0))
+    assert mcnemar_p(6, 0) == 2 / 64 and mcnemar_p(0, 5) == 2 / 32 and mcnemar_p(1, 9) == 2 * 11 / 1024
+    assert mcnemar_p(3, 3) == 1.0 and mcnemar_p(0, 0) == 1.0
 
 
 def test_the_prompts_tokenised_beside_the_load_give_the_same_run(rigged, tmp_path, monkeypatch):
@@ -701,13 +716,13 @@ def test_bad_csv_rows(small_data):
     path = small_data / "test" / "global_facts_test.csv"
     original = path.read_text(encoding="utf-8")
     edit_lines(path, 3, lambda line: line.rstrip("\n").rsplit(",", 1)[0] + "\n")  # answer column missing
-    check_error(small_data, f"{path}: row 3: 5 fields, expected 6 (question, A, B, C, D, answer)")
+    check_error(small_data, f"{path}: line 4: 5 fields, expected 6 (question, A, B, C, D, answer)")
     path.write_text(original, encoding="utf-8")
     edit_lines(path, 5, lambda line: line.rstrip("\n") + ",extra\n")
-    check_error(small_data, f"{path}: row 5: 7 fields, expected 6")
+    check_error(small_data, f"{path}: line 6: 7 fields, expected 6")
     path.write_text(original, encoding="utf-8")
     edit_lines(path, 7, lambda line: line.rstrip("\n")[:-1] + "E\n")
-    check_error(small_data, f"{path}: row 7: answer must be one of A, B, C, D, found 'E'")
+    check_error(small_data, f"{path}: line 8: answer must be one of A, B, C, D, found 'E'")
 
 
 def test_empty_files_and_missing_dev(small_data):
@@ -734,9 +749,9 @@ def test_bad_cais_data(real, tmp_path):
     good.drop(columns="answer").to_parquet(path, index=False)
     check_error(root, f"{path}: answer: missing column")
     good.assign(answer=[*good["answer"][:4], 4, *good["answer"][5:]]).to_parquet(path, index=False)
-    check_error(root, f"{path}: row 4: answer must be an integer 0-3 (A-D), found 4")
+    check_error(root, f"{path}: row 4: answer must be an integer 0-3 or a letter A-D, found 4")
     good.assign(choices=[*good["choices"][:2], ["x", "y", "z"], *good["choices"][3:]]).to_parquet(path, index=False)
-    check_error(root, f"{path}: row 2: choices must hold 4 answers, found 3")
+    check_error(root, f"{path}: row 2: choices must be a list of 4 answers, found 3")
     good.iloc[:0].to_parquet(path, index=False)
     check_error(root, f"{path}: no questions (empty file)")
     good.to_parquet(path, index=False)
