@@ -440,7 +440,10 @@ def test_subject_prefixes_are_the_groups_longest_common_runs(real, bpe, seed):
         expected = 0 if len(members) < 2 else min(min(common(ids[a], ids[b]) for a in members for b in members
                                                       if a != b), min(len(ids[r]) for r in members) - 1)
         assert shared[q] == expected
-    assert len({(g, n) for g, n in zip(groups, shared)}) == len(set(groups)) and 0 < min(shared)
+    assert len({(g, n) for g, n in zip(groups, shared)}) == len(set(groups))
+    # not vacuous: every group of two or more shares a run (a group of one, 12 draws all alike but one, shares none:
+    # seed 1317363863)
+    assert all(n > 0 for g, n in zip(groups, shared) if groups.count(g) > 1) and max(shared) > 0
 
 
 def test_tokenizing_beside_gives_what_tokenizing_here_gives(real, bpe_dir, bpe, tmp_path):
