@@ -30,7 +30,7 @@ PROMPTS = [
     ("When is an adapter ready?", " When its report passes every threshold."),
 ]
 ADAPTERS = ("peft-all-linear", "tinker-shared-outer")
-MARKER = "lora-eval-demo.txt"  # in a folder the demo built (demo._claim)
+MARKER = "lora-eval-demo.txt"  # in a folder the demo built (claim_folder)
 
 
 def build_tokenizer(out: Path, vocab_size: int = 320, texts=None):
@@ -134,7 +134,7 @@ def write_prompts(path: Path) -> Path:
 DEMO_OPTIONS = EngineOptions(dtype="float32")  # the GPU where there is one; float32, as the trainer reference
 
 
-def _claim(out: Path) -> None:
+def claim_folder(out: Path) -> None:
     """`out` as the demo's folder: new, empty, or one an earlier demo made (its MARKER file); anything else is the
     user's, which the demo, rebuilding its model and files there on every run, must not write into."""
     if out.exists() and not out.is_dir():
@@ -150,7 +150,7 @@ def build_demo(out: str | Path, quiet: bool = False, notice=print) -> tuple[Path
     """The demo's inputs under `out`: the model folder, its two adapters ({name: folder}) and the trainer reference
     (transformers + PEFT in float32); returns (model folder, adapters, reference file)."""
     out = Path(out)
-    _claim(out)
+    claim_folder(out)
     model_dir = out / "model"
     with quiet_libraries():
         tokenizer = build_tokenizer(model_dir)

@@ -133,7 +133,8 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
                          layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
         rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
         task_options = dict(options.record(), samples=samples, against_dtype=against_dtype,
-                            against_adapters=against_adapters, measured=measured, batch_tokens=batch_tokens, rule=rule)
+                            against_adapters=against_adapters, measured=measured, batch_tokens=batch_tokens,
+                            rule=rule)
         files = InputDigests(model, adapters, reference_inputs(references)).result()
         if side_b.against:
             files.update(InputDigests(against_model, prefix="against-").result())

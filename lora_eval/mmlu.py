@@ -137,15 +137,12 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
                                                      for path in sorted(set(files))})  # (result() below)
 
-            def tokenize_here() -> Tokenized:
-                return checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
-
             tokenizing = TokenizeBeside(model, questions, dev, shots, max_len) if tokenizes_beside(engine, options) \
                 else None
             tokens = None
             if tokenizing is None:
                 with phases("tokenize"):
-                    tokens = tokenize_here()
+                    tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
             with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
                 if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
                     check_fits(model, adapters, options.device, options.dtype, batch_tokens,

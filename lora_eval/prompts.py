@@ -62,9 +62,15 @@ def read_prompts(path: str | Path, model_dir: str | Path, adapters: dict, vocab_
                 mask = [i + 1 >= len(prompt) for i in range(len(ids) - 1)]
         else:
             raise bad("expected 'input_ids', 'text', or 'prompt' and 'response'")
+        tokenized = "input_ids" not in item
         if len(ids) < 2:
-            raise bad(f"a sample needs at least 2 tokens, found {len(ids)}")
+            raise bad(f"a sample needs at least 2 tokens, found {len(ids)}"
+                      + (f" ({'text' if 'text' in item else 'prompt and response'} tokenised)" if tokenized else ""))
         outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if outside is not None and tokenized:  # the tokenizer's fault, not the line's
+            raise InputError(Path(model_dir) / "config.json", f"the tokenizer makes token id {outside} (from {path} "
+                             f"{where}), outside the model's vocabulary ({vocab_size}): the tokenizer in the model "
+                             "folder does not belong to this model", key="vocab_size")
         if outside is not None:
             raise bad(f"token id {outside} is outside the model's vocabulary [0, {vocab_size})")
         if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids) - 1 or not all(

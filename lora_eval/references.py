@@ -218,8 +218,8 @@ def _logprobs(value, column: str, length: int, path, where) -> list[float]:
             why = "a log-probability above 0 (probability above 1: impossible)"
         else:
             why = "not a finite number"
-        raise InputError(path, f"{column} must hold finite numbers <= 0 (log-probabilities), found {str(values[i])[:40]} at "
-                         f"position {i}: {why}", key=where)
+        raise InputError(path, f"{column} must hold finite numbers <= 0 (log-probabilities), found "
+                         f"{str(values[i])[:40]} at position {i}: {why}", key=where)
     return array.tolist()
 
 

@@ -611,8 +611,11 @@ class RunFolder:
             shutil.rmtree(old)
 
     def resume_hint(self) -> str:
-        return "nothing was kept (no output given)" if self.out is None else \
-            f"finished parts are kept in {self.staging}; run the same command again to resume"
+        if self.out is None:
+            return "nothing was kept (no output given)"
+        if not any(self.parts_dir.glob("part-*.parquet")):
+            return "no unit of work was finished; run the same command again to start over"
+        return f"finished parts are kept in {self.staging}; run the same command again to resume"
 
 
 def read_record(folder: Path, required: bool = True) -> dict | None:

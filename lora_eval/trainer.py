@@ -24,6 +24,7 @@ import torch
 from .adapters import load_adapter
 from .distributed import Ranks, together
 from .engine import DTYPES, EngineOptions
+from .errors import InputError
 from .inputs import adapter_names, model_config
 from .models import load_model
 from .models.layers import interleave_gate_up
@@ -47,6 +48,8 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
         options = (options or EngineOptions()).resolved()
         adapters = adapter_names(adapters)
         out = check_out(out, single_file=True, inputs=run_inputs(model_dir, adapters, prompts=prompts))
+        if out is not None and out.suffix.lower() != ".parquet":  # (read back by its suffix: references.py)
+            raise InputError("--out", f"{out}: dump-reference writes the native Parquet format; name the file .parquet")
         arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()},
                          prompts=str(prompts), default_adapter=default_adapter)
     with RunFolder(out, "dump-reference", overwrite=overwrite, single_file=True, notice=notice,
@@ -102,6 +105,11 @@ def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, opti
                 runner = merged_copy(model, adapter)
             for i in todo:
                 lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
+                if not bool(torch.isfinite(lp).all()):  # (else the written file's check would blame the output)
+                    raise InputError(model_dir, f"transformers computed a non-finite logprob for prompt "
+                                     f"{frame.at[i, 'sample_id']} under {name or 'the base model'} in "
+                                     f"{options.dtype}: the model's or the adapter's weights hold non-finite numbers, "
+                                     "or the dtype overflows")
                 work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
             if isinstance(runner, PeftModel):
                 model = runner.unload()  # back to the plain base model for the next adapter

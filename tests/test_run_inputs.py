@@ -28,13 +28,16 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from lora_eval import Engine
 from lora_eval.cli import cli
-from lora_eval.references import write_reference
+from lora_eval.references import SCHEMA, read_reference, write_reference
 from lora_eval.runfolder import RunFolder
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
@@ -116,9 +119,12 @@ def left_beside(out: Path) -> list[str]:
 
 
 def write_as(fmt: str, data: pd.DataFrame, folder: Path) -> str:
-    """`data` as a reference file of `fmt`, and the --reference argument that names it."""
+    """`data` as a reference file of `fmt`, as a trainer would write it (not validated), and the --reference argument
+    that names it."""
     if fmt == "parquet":
-        return str(write_reference(data, folder / "ref.parquet"))
+        path = folder / "ref.parquet"
+        pq.write_table(pa.Table.from_pandas(data.assign(mask=None), schema=SCHEMA, preserve_index=False), path)
+        return str(path)
     if fmt == "jsonl":
         path = folder / "ref.jsonl"
         rows = [{k: v for k, v in r.items() if v is not None} for r in data.to_dict("records")]
@@ -146,29 +152,17 @@ def test_impossible_logprobs_are_refused_in_every_format(art, tmp_path, no_model
     values = list(data.at[row, column])
     values[3] = value
     data.at[row, column] = values
-    if fmt == "parquet":  # (write_reference validates: the file is written as a trainer with the bug would)
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from lora_eval.references import SCHEMA
-        pq.write_table(pa.Table.from_pandas(data.assign(mask=None), schema=SCHEMA, preserve_index=False),
-                       tmp_path / "ref.parquet")
-        ref = str(tmp_path / "ref.parquet")
-    else:
-        ref = write_as(fmt, data, tmp_path)
+    ref = write_as(fmt, data, tmp_path)
     path = ref.split("=", 1)[-1]
     where = {"parquet": "row 2 (sample s2)", "jsonl": "line 3 (sample s2)", "pt": "sample 2"}[fmt]
-    column_name = column  # (a .pt dump's sampling_logprobs are read as sampler_logprobs)
-    line = assert_input_error(run_cli(*compare_args(art, tmp_path / "run", ref)), path, where,
-                              f"{column_name} must hold finite numbers <= 0", f"found {shown} at position 3", why)
-    assert "Traceback" not in line
+    # (a .pt dump's sampling_logprobs are read, and named, as sampler_logprobs)
+    assert_input_error(run_cli(*compare_args(art, tmp_path / "run", ref)), path, where,
+                       f"{column} must hold finite numbers <= 0", f"found {shown} at position 3", why)
     assert left_beside(tmp_path / "run") == [] and not (tmp_path / "run").exists()
 
 
 def test_a_logprob_of_zero_is_possible(art, tmp_path):
     """Probability 1 (log 0) is a possible logprob: only values above 0 are refused."""
-    from lora_eval.references import read_reference
-
     data = frame(art["seed"] + 4)
     data.at[0, "logprobs"] = [0.0] + list(data.at[0, "logprobs"])[1:]
     assert read_reference(write_reference(data, tmp_path / "ref.parquet"))["logprobs"][0][0] == 0.0
@@ -189,6 +183,8 @@ def test_dump_reference_never_writes_into_the_model(art, tmp_path, no_model):
             assert str(out) in line
     assert files_under(art["model"]) == before
     assert left_beside(art["model"] / "config.json") == []
+    assert_input_error(run_cli(*dump_args(art, prompts, tmp_path / "ref.jsonl")), "--out", "name the file .parquet")
+    assert not (tmp_path / "ref.jsonl").exists()
 
 
 def test_no_output_onto_an_input_of_any_command(art, tmp_path, no_model):
@@ -250,14 +246,17 @@ def test_prompts_that_score_no_token_are_refused_before_the_model(art, tmp_path,
     assert files_under(tmp_path) == before and left_beside(out) == []
 
 
-def word_tokenizer_model(art, folder: Path) -> Path:
-    """A copy of the model folder with a word-level tokenizer inside its vocabulary."""
+def word_tokenizer_model(art, folder: Path, beyond: bool = False) -> Path:
+    """A copy of the model folder with a word-level tokenizer inside its vocabulary (`beyond`: 'world' outside)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     shutil.copytree(art["model"], folder)
     words = ["[UNK]", "hello", "world", "what", "is", "it"]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    ids = {w: i for i, w in enumerate(words)}
+    if beyond:
+        ids["world"] = VOCAB + 4
+    core = Tokenizer(models.WordLevel(ids, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(str(folder))
     return folder
@@ -405,3 +404,29 @@ def test_reference_siblings_name_the_file_and_row(art, tmp_path, no_model):
     for refs, needle in cases:
         assert_input_error(run_cli(*compare_args(art, tmp_path / "run", *refs)), needle)
     assert not (tmp_path / "run").exists() and left_beside(tmp_path / "run") == []
+
+
+def test_a_model_that_computes_nan_is_named_not_the_output(art, tmp_path):
+    """Logprobs that transformers computes non-finite (a NaN weight) are the model's fault, not a bad output file."""
+    model = tmp_path / "model"
+    shutil.copytree(art["model"], model)
+    for path in model.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        name = next(k for k in sorted(tensors) if k.endswith("norm.weight"))
+        tensors[name][0] = float("nan")
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    prompts = good_prompts(tmp_path / "prompts.jsonl", art["seed"] + 12)
+    out = tmp_path / "ref.parquet"
+    args = ["dump-reference", "--model", model, "--prompts", prompts, "--out", out, "--quiet", "--device", "cpu"]
+    rows = [dict(r, adapter=None) for r in map(json.loads, prompts.read_text().splitlines())]
+    write_prompts(prompts, rows)
+    assert_input_error(run_cli(*args), str(model))
+    assert not out.exists() and left_beside(out) == []
+
+
+def test_a_tokenizer_of_another_model_is_blamed_not_the_prompt(art, tmp_path, no_model):
+    model = word_tokenizer_model(art, tmp_path / "model", beyond=True)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(prompt="what is it", response=" hello world")])
+    args = ["dump-reference", "--model", model, "--prompts", prompts, "--out", tmp_path / "ref.parquet", "--quiet"]
+    assert_input_error(run_cli(*args), str(model / "config.json"), "vocab_size",
+                       f"tokenizer makes token id {VOCAB + 4}", "does not belong to this model")
