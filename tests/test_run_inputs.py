@@ -338,16 +338,19 @@ def test_the_lock_is_taken_before_any_input_is_read(art, tmp_path, no_model):
         ["compare", "--model", art["model"], "--reference", bad, "--out", tmp_path / "run"],
         ["mmlu", "--model", art["model"], "--data", missing, "--out", tmp_path / "run"],
         ["diagnose", "--model", art["model"], "--reference", bad, "--out", tmp_path / "run"],
-        ["dump-reference", "--model", art["model"], "--prompts", bad, "--out", tmp_path / "run"],
+        ["dump-reference", "--model", art["model"], "--prompts", bad, "--out", tmp_path / "run.parquet"],
     ]
-    fd = hold_lock(tmp_path / "run")
+    held = [hold_lock(tmp_path / "run"), hold_lock(tmp_path / "run.parquet")]
     try:
         for args in cases:
-            assert_input_error(run_cli(*args), str(tmp_path / "run"), LOCK_HELD, f"pid {os.getpid()}")
+            assert_input_error(run_cli(*args), str(args[-1]), LOCK_HELD, f"pid {os.getpid()}")
     finally:
-        os.close(fd)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "run.lock"]  # nothing made, the lock kept
-    (tmp_path / "run.lock").unlink()  # (as the holder does when it ends)
+        for fd in held:
+            os.close(fd)
+    locks = ["run.lock", "run.parquet.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", *locks]  # nothing made, the locks kept
+    for name in locks:
+        (tmp_path / name).unlink()  # (as a holder does when it ends)
     # with the lock free, the same commands name their inputs and leave nothing
     for args, needle in zip(cases, [str(bad), str(missing), str(bad), str(bad)]):
         assert_input_error(run_cli(*args), needle)
