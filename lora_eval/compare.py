@@ -40,7 +40,7 @@ from .references import read_reference, reference_arg, reference_inputs
 from .report import report_files
 from .results import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, Phases, no_gates,
                       read_run, table_files)
-from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, run_inputs, versions
 from .runners.compile_clock import COMPILE_CLOCK
 from .tokenizer import load_decoder
 
@@ -77,53 +77,54 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
         batch_tokens = positive_int(batch_tokens, "--batch-tokens")
         if not references:
             raise InputError("--reference", "at least one reference dump is needed")
-        out = check_out(out)
+        out = check_out(out, inputs=run_inputs(model, adapters, reference=list(references)))
         arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
                          references=[reference_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
                          max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
                          check_adapters=check_adapters)
-        with phases("read"):  # the references, read and checked, and the work planned from their token ids
-            args = model_config(model)[1]
-            refs = _read_references(references, adapters, args.vocab_size)
-            digests = InputDigests(model, adapters, reference_inputs(references))  # (result() below)
-            lengths = [len(ids) for ids in refs["input_ids"]]
-            use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
-            if options.prefix_cache and options.expert_parallel:
-                notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every "
-                       "forward); full samples run")
-            prefix, group = sample_prefixes(refs) if use_prefixes else ([0] * len(refs), [0] * len(refs))
-            suffix = [n - p for n, p in zip(lengths, prefix)]  # tokens a row runs itself
-        with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
-            if engine is None:  # (the prefix cache's bound counts where samples share prefixes)
-                check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                           ranks.world if ranks and options.expert_parallel else 1,
-                           options.prefix_cache_memory if any(prefix) else 0)
-            parsed = None if engine is not None else read_adapters(model, adapters, options)
-            static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
-        with phases("read"):
-            if use_prefixes:  # groups chunked as the prefix cache holds them (prefixes.grouped_order)
-                per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
-                group_bytes = {g: p * per_token for g, p in zip(group, prefix)}
-                cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
-                batches = batches_in_order(grouped_order(suffix, group, group_bytes, cache), suffix, batch_tokens)
-            else:
-                batches = make_batches(lengths, batch_tokens)
-            # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)
-            sampled = gate_sample(refs, list(adapters)) if check_adapters else {}
-            gate_rows = [i for rows in sampled.values() for i in rows]
-            gate_batches = [[gate_rows[j] for j in b] for b in make_batches([suffix[i] for i in gate_rows],
-                                                                               batch_tokens)]
-            units = batches + gate_batches
-        task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
-                            max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
-                            adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
-                            if check_adapters else None, prefix_cache=use_prefixes,
-                            engine="given" if engine is not None else "loaded")
-        with phases("read"):  # the inputs' fingerprints (the references whole, the weights sampled), hashed meanwhile
-            files = digests.result()
-            package_versions = versions()
-    with RunFolder(out, "compare", fingerprint("compare", files, task_options, package_versions),
-                   dict(arguments=arguments), overwrite=overwrite, notice=notice, ranks=ranks) as folder:
+    with RunFolder(out, "compare", overwrite=overwrite, notice=notice, ranks=ranks) as folder:  # the lock, first
+        with together(ranks):
+            with phases("read"):  # the references, read and checked, and the work planned from their token ids
+                args = model_config(model)[1]
+                refs = _read_references(references, adapters, args.vocab_size)
+                digests = InputDigests(model, adapters, reference_inputs(references))  # (result() below)
+                lengths = [len(ids) for ids in refs["input_ids"]]
+                use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
+                if options.prefix_cache and options.expert_parallel:
+                    notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every "
+                           "forward); full samples run")
+                prefix, group = sample_prefixes(refs) if use_prefixes else ([0] * len(refs), [0] * len(refs))
+                suffix = [n - p for n, p in zip(lengths, prefix)]  # tokens a row runs itself
+            with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
+                if engine is None:  # (the prefix cache's bound counts where samples share prefixes)
+                    check_fits(model, adapters, options.device, options.dtype, batch_tokens,
+                               ranks.world if ranks and options.expert_parallel else 1,
+                               options.prefix_cache_memory if any(prefix) else 0)
+                parsed = None if engine is not None else read_adapters(model, adapters, options)
+                static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
+            with phases("read"):
+                if use_prefixes:  # groups chunked as the prefix cache holds them (prefixes.grouped_order)
+                    per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
+                    group_bytes = {g: p * per_token for g, p in zip(group, prefix)}
+                    cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
+                    batches = batches_in_order(grouped_order(suffix, group, group_bytes, cache), suffix, batch_tokens)
+                else:
+                    batches = make_batches(lengths, batch_tokens)
+                # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)
+                sampled = gate_sample(refs, list(adapters)) if check_adapters else {}
+                gate_rows = [i for rows in sampled.values() for i in rows]
+                gate_batches = [[gate_rows[j] for j in b] for b in make_batches([suffix[i] for i in gate_rows],
+                                                                                   batch_tokens)]
+                units = batches + gate_batches
+            task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
+                                max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
+                                adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
+                                if check_adapters else None, prefix_cache=use_prefixes,
+                                engine="given" if engine is not None else "loaded")
+            with phases("read"):  # the inputs' fingerprints (references whole, weights sampled), hashed meanwhile
+                files = digests.result()
+                package_versions = versions()
+        folder.open(fingerprint("compare", files, task_options, package_versions), dict(arguments=arguments))
         if folder.stored is not None:
             return read_run(out)
         with phases("load"):

@@ -11,6 +11,7 @@ import torch
 
 from .compare import compare
 from .engine import EngineOptions
+from .errors import InputError
 from .trainer import dump_reference, quiet_libraries
 
 DEMO_TEXT = """Mixture-of-experts models route every token to a few experts out of many.
@@ -29,6 +30,7 @@ PROMPTS = [
     ("When is an adapter ready?", " When its report passes every threshold."),
 ]
 ADAPTERS = ("peft-all-linear", "tinker-shared-outer")
+MARKER = "lora-eval-demo.txt"  # in a folder the demo built (claim_folder)
 
 
 def build_tokenizer(out: Path, vocab_size: int = 320, texts=None):
@@ -132,10 +134,23 @@ def write_prompts(path: Path) -> Path:
 DEMO_OPTIONS = EngineOptions(dtype="float32")  # the GPU where there is one; float32, as the trainer reference
 
 
+def claim_folder(out: Path) -> None:
+    """`out` as the demo's folder: new, empty, or one an earlier demo made (its MARKER file); anything else is the
+    user's, which the demo, rebuilding its model and files there on every run, must not write into."""
+    if out.exists() and not out.is_dir():
+        raise InputError("--out", f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise InputError("--out", f"{out} holds files that lora-eval demo did not make (no {MARKER}); the demo "
+                         "writes its model, adapters and reports there: choose a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("a folder lora-eval demo built; `lora-eval demo --out` here builds it again\n")
+
+
 def build_demo(out: str | Path, quiet: bool = False, notice=print) -> tuple[Path, dict[str, Path], Path]:
     """The demo's inputs under `out`: the model folder, its two adapters ({name: folder}) and the trainer reference
     (transformers + PEFT in float32); returns (model folder, adapters, reference file)."""
     out = Path(out)
+    claim_folder(out)
     model_dir = out / "model"
     with quiet_libraries():
         tokenizer = build_tokenizer(model_dir)
@@ -145,7 +160,7 @@ def build_demo(out: str | Path, quiet: bool = False, notice=print) -> tuple[Path
     prompts = write_prompts(out / "prompts.jsonl")
     reference = out / "reference.parquet"
     dump_reference(model_dir, adapters, prompts, reference, options=EngineOptions(dtype="float32"), quiet=quiet,
-                   notice=notice)
+                   overwrite=True, notice=notice)  # (the demo's own file, rebuilt with its inputs on every run)
     return model_dir, adapters, reference
 
 
@@ -155,4 +170,4 @@ def run_demo(out: str | Path, quiet: bool = False, options: EngineOptions = DEMO
     k2 threshold in bfloat16 — k2 > 5e-3 for the shared-outer adapter on an H100); returns the CompareResult."""
     model_dir, adapters, reference = build_demo(out, quiet, notice)
     return compare(model_dir, adapters, [reference], out=Path(out) / "report", options=options, quiet=quiet,
-                   notice=notice)
+                   overwrite=True, notice=notice)  # (the demo's own run: computed again, as its inputs are)

@@ -74,7 +74,7 @@ from .plan import check_fits, host_memory_available, plan
 from .references import read_reference, reference_arg, reference_inputs
 from .results import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult, Phases,
                       diagnose_table_files, read_diagnose)
-from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, versions
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, run_inputs, versions
 
 FREE_RUNNING = "free-running"
 LAYER_BY_LAYER = "layer by layer on the same inputs"
@@ -104,37 +104,38 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     side_b = SideB.checked(model, against_model, against_dtype, against_adapters, adapters)
     if not references:
         raise InputError("--reference", "at least one reference dump is needed")
-    out = check_out(out)
-    _, args = model_config(model)
-    if side_b.against:
-        _check_against(args, against_model)
-    with phases("read"):
-        refs, left_out = _read_references(references, adapters, args.vocab_size, side_b.merged)
-        lengths = [len(ids) for ids in refs["input_ids"]]
-        batches = make_batches(lengths, batch_tokens)
-    tags = [a if isinstance(a, str) else BASE for a in refs["adapter"]]
-    # reports list base first, then the adapters as given; against a merged checkpoint its adapter alone
-    order = [side_b.merged] if side_b.merged else [BASE, *adapters]
-    picked = {tag: min(samples, tags.count(tag)) for tag in order}
-    measured, why = _measurement(model, adapters, side_b, options, max(lengths), layer_by_layer, batch_tokens)
-    with phases("load"):  # the adapters' files (the models' load with their first use)
-        parsed = read_adapters(model, adapters, options)
-        parsed_b = side_b.read_adapters(parsed, adapters, options)
-        quantization = load_model(model, device="meta").args.quantization
-    floor = noise_floor(options.dtype, against_dtype)
-    arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                     references=[reference_arg(r) for r in references], samples=samples,
-                     against_model=None if against_model is None else str(against_model), against_dtype=against_dtype,
-                     against_adapters=against_adapters, layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
-    rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
-    task_options = dict(options.record(), samples=samples, against_dtype=against_dtype,
-                        against_adapters=against_adapters, measured=measured, batch_tokens=batch_tokens, rule=rule)
-    files = InputDigests(model, adapters, reference_inputs(references)).result()
-    if side_b.against:
-        files.update(InputDigests(against_model, prefix="against-").result())
-
-    with RunFolder(out, "diagnose", fingerprint("diagnose", files, task_options, versions()),
-                   dict(arguments=arguments), overwrite=overwrite, notice=notice) as folder:
+    out = check_out(out, inputs=run_inputs(model, adapters, reference=list(references), against_model=against_model))
+    with RunFolder(out, "diagnose", overwrite=overwrite, notice=notice) as folder:  # the lock, first
+        _, args = model_config(model)
+        if side_b.against:
+            _check_against(args, against_model)
+        with phases("read"):
+            refs, left_out = _read_references(references, adapters, args.vocab_size, side_b.merged)
+            lengths = [len(ids) for ids in refs["input_ids"]]
+            batches = make_batches(lengths, batch_tokens)
+        tags = [a if isinstance(a, str) else BASE for a in refs["adapter"]]
+        # reports list base first, then the adapters as given; against a merged checkpoint its adapter alone
+        order = [side_b.merged] if side_b.merged else [BASE, *adapters]
+        picked = {tag: min(samples, tags.count(tag)) for tag in order}
+        measured, why = _measurement(model, adapters, side_b, options, max(lengths), layer_by_layer, batch_tokens)
+        with phases("load"):  # the adapters' files (the models' load with their first use)
+            parsed = read_adapters(model, adapters, options)
+            parsed_b = side_b.read_adapters(parsed, adapters, options)
+            quantization = load_model(model, device="meta").args.quantization
+        floor = noise_floor(options.dtype, against_dtype)
+        arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
+                         references=[reference_arg(r) for r in references], samples=samples,
+                         against_model=None if against_model is None else str(against_model),
+                         against_dtype=against_dtype, against_adapters=against_adapters,
+                         layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
+        rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
+        task_options = dict(options.record(), samples=samples, against_dtype=against_dtype,
+                            against_adapters=against_adapters, measured=measured, batch_tokens=batch_tokens,
+                            rule=rule)
+        files = InputDigests(model, adapters, reference_inputs(references)).result()
+        if side_b.against:
+            files.update(InputDigests(against_model, prefix="against-").result())
+        folder.open(fingerprint("diagnose", files, task_options, versions()), dict(arguments=arguments))
         if folder.stored is not None:
             return read_diagnose(out)
         sides = _Sides(model, parsed, options, side_b, parsed_b)

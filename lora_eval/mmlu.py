@@ -37,7 +37,7 @@ from .prefixes import common_length, grouped_order, prefix_bytes_per_token
 from .report import report_files
 from .results import MmluResult, Phases, read_run, table_files
 from .runners.compile_clock import COMPILE_CLOCK
-from .runfolder import InputDigests, RunFolder, check_out, fingerprint, holds_this_run, now, versions
+from .runfolder import InputDigests, RunFolder, check_out, fingerprint, now, run_inputs, versions
 
 BATCH_TOKENS = 16384
 
@@ -109,74 +109,71 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
         limit = None if limit is None else positive_int(limit, "--limit")
         batch_tokens = positive_int(batch_tokens, "--batch-tokens")
         max_drop = threshold(max_drop, "--max-drop")
-        out = check_out(out)
+        out = check_out(out, inputs=run_inputs(model, adapters, data=data))
         arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, data=str(data),
                          split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop,
                          batch_tokens=batch_tokens)
-        with phases("data"):
-            layout, files, questions = read_split(data, split)
-            questions = select(questions, subjects, limit, data, split)
-            dev = None
-            if shots > 0:
-                _, dev_files, dev = read_split(data, "dev")
-                files += dev_files
-                dev = check_shots(dev, questions, shots, layout, data)
+    with RunFolder(out, "mmlu", overwrite=overwrite, notice=notice, ranks=ranks) as folder:  # the lock, first
+        with together(ranks):
+            with phases("data"):
+                layout, files, questions = read_split(data, split)
+                questions = select(questions, subjects, limit, data, split)
+                dev = None
+                if shots > 0:
+                    _, dev_files, dev = read_split(data, "dev")
+                    files += dev_files
+                    dev = check_shots(dev, questions, shots, layout, data)
 
-        with phases("load"):  # the model's config (its tokenizer comes with the prompts)
-            config, args = model_config(model)
-            max_len = config.get("max_position_embeddings")
-            if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
-                raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
-                                 key="max_position_embeddings")
-        # the inputs are hashed on a thread meanwhile; loading onto a GPU, transformers' import (which holds the GIL:
-        # beside it MMLU's load phase took ~1.5 s longer on an H100, BENCHMARKS-history section 13) is the child's
-        data_root = Path(data)
-        digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
-                                                 for path in sorted(set(files))})  # (result() below)
+            with phases("load"):  # the model's config (its tokenizer comes with the prompts)
+                config, args = model_config(model)
+                max_len = config.get("max_position_embeddings")
+                if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+                    raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
+                                     key="max_position_embeddings")
+            # the inputs are hashed on a thread meanwhile; loading onto a GPU, transformers' import (which holds the
+            # GIL: beside it MMLU's load phase took ~1.5 s longer on an H100, BENCHMARKS-history section 13) is the
+            # child's
+            data_root = Path(data)
+            digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
+                                                     for path in sorted(set(files))})  # (result() below)
 
-        def tokenize_here() -> Tokenized:
-            return checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
-
-        tokenizing = TokenizeBeside(model, questions, dev, shots, max_len) if tokenizes_beside(engine, options) \
-            else None
-        tokens = None
-        if tokenizing is None:
-            with phases("tokenize"):
-                tokens = tokenize_here()
-        with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
-            if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
-                check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                           ranks.world if ranks and options.expert_parallel else 1,
-                           options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel
-                           else 0)
-            parsed = None if engine is not None else read_adapters(model, adapters, options)
-        models = [BASE, *adapters]
-        tags = [None, *adapters]
-        use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
-        if options.prefix_cache and options.expert_parallel:
-            notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
-                   "full prompts run")
-        task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
-                            max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
-                            engine="given" if engine is not None else "loaded")
-        with phases("data"):  # the inputs' fingerprints (the data files whole, the weights sampled), hashed meanwhile
-            inputs = digests.result()
-            package_versions = versions("datasets", "tokenizers")
-    run_fingerprint = fingerprint("mmlu", inputs, task_options, package_versions)
-    if tokenizing is not None:
-        with tokenizing:  # (the child is stopped on the way out, whatever happens)
-            if not holds_this_run(out, run_fingerprint, overwrite):  # (else handed back as saved: nothing to load)
+            tokenizing = TokenizeBeside(model, questions, dev, shots, max_len) if tokenizes_beside(engine, options) \
+                else None
+            tokens = None
+            if tokenizing is None:
+                with phases("tokenize"):
+                    tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
+            with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
+                if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
+                    check_fits(model, adapters, options.device, options.dtype, batch_tokens,
+                               ranks.world if ranks and options.expert_parallel else 1,
+                               options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel
+                               else 0)
+                parsed = None if engine is not None else read_adapters(model, adapters, options)
+            models = [BASE, *adapters]
+            tags = [None, *adapters]
+            use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
+            if options.prefix_cache and options.expert_parallel:
+                notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every "
+                       "forward); full prompts run")
+            task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
+                                max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
+                                engine="given" if engine is not None else "loaded")
+            with phases("data"):  # the inputs' fingerprints (data files whole, weights sampled), hashed meanwhile
+                inputs = digests.result()
+                package_versions = versions("datasets", "tokenizers")
+        folder.open(fingerprint("mmlu", inputs, task_options, package_versions), dict(arguments=arguments))
+        if folder.stored is not None:
+            if tokenizing is not None:
+                tokenizing.cancel()  # (nothing to load or tokenise)
+            return read_run(out)
+        if tokenizing is not None:
+            with tokenizing:  # (the child is stopped on the way out, whatever happens)
                 with phases("load"):  # the model's weights, beside the child
                     engine = Engine.load(model, parsed, options)
                 with together(ranks), phases("tokenize"):  # what of the child's work the load did not hide
                     tokens = checked_tokens(tokenizing.result(), args.vocab_size, model)
-    with RunFolder(out, "mmlu", run_fingerprint, dict(arguments=arguments), overwrite=overwrite, notice=notice,
-                   ranks=ranks) as folder:
-        if folder.stored is not None:
-            return read_run(out)
         with phases("tokenize"):
-            if tokens is None:  # (the complete run seen above was removed since: tokenised here after all)
-                tokens = tokenize_here()
             ids, used, candidates = tokens.ids, tokens.used, tokens.candidates
             rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
             rows_tags = tags * len(ids)

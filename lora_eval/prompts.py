@@ -5,7 +5,8 @@ model's tokenizer; the mask then covers the response tokens only); optional `sam
 default: the object's number, from 1), `mask` (len(input_ids) - 1 booleans, with `input_ids` or `text`) and
 `adapter`: an adapter name, or null (or "base") for the base model. A prompt without an `adapter` field runs under
 the default adapter: `--default-adapter NAME`, else the only `--adapter` given, else the base model; with several
-adapters and no default, such a prompt is refused. Other fields are ignored.
+adapters and no default, such a prompt is refused. Other fields are ignored. A prompt and response without a response
+token, or a file whose masks leave no token to score, is refused here too, before the model loads.
 """
 
 from __future__ import annotations
@@ -54,13 +55,22 @@ def read_prompts(path: str | Path, model_dir: str | Path, adapters: dict, vocab_
                     raise bad("give either mask or prompt and response (whose mask is the response tokens)")
                 prompt = tokenizer(item["prompt"])["input_ids"]
                 response = tokenizer(item.get("response", ""), add_special_tokens=False)["input_ids"]
+                if not response:  # (its mask would be all false)
+                    raise bad("response is missing or gives no token: only the response tokens are scored, so this "
+                              "prompt would score none")
                 ids = prompt + response
                 mask = [i + 1 >= len(prompt) for i in range(len(ids) - 1)]
         else:
             raise bad("expected 'input_ids', 'text', or 'prompt' and 'response'")
+        tokenized = "input_ids" not in item
         if len(ids) < 2:
-            raise bad(f"a sample needs at least 2 tokens, found {len(ids)}")
+            raise bad(f"a sample needs at least 2 tokens, found {len(ids)}"
+                      + (f" ({'text' if 'text' in item else 'prompt and response'} tokenised)" if tokenized else ""))
         outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if outside is not None and tokenized:  # the tokenizer's fault, not the line's
+            raise InputError(Path(model_dir) / "config.json", f"the tokenizer makes token id {outside} (from {path} "
+                             f"{where}), outside the model's vocabulary ({vocab_size}): the tokenizer in the model "
+                             "folder does not belong to this model", key="vocab_size")
         if outside is not None:
             raise bad(f"token id {outside} is outside the model's vocabulary [0, {vocab_size})")
         if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids) - 1 or not all(
@@ -86,6 +96,8 @@ def read_prompts(path: str | Path, model_dir: str | Path, adapters: dict, vocab_
                          mask=None if mask is None else [bool(m) for m in mask]))
     if not rows:
         raise InputError(path, "no prompts in the file")
+    if not any(row["mask"] is None or any(row["mask"]) for row in rows):
+        raise InputError(path, "no prompt scores a token: every mask is all false (nothing to dump)", key="mask")
     if defaulted and rows and adapters:
         name = default_adapter or next(iter(adapters))
         notice(f"note: {defaulted} prompts without an 'adapter' field run under "

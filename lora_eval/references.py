@@ -2,6 +2,9 @@
 
 One row per sample: sample_id, adapter (None = base model), input_ids, logprobs (len(input_ids) - 1),
 optional mask and sampler_logprobs (same length). The format is specified in references/README.md.
+Every logprob and sampler logprob is finite and at most 0: NaN, +inf and values above 0 are impossible, and -inf
+(probability 0) is refused too, since a token of probability 0 cannot have been sampled: a dump holding one is
+broken (`_logprobs`). .pt dumps are read with torch.load(weights_only=True) only and never unpickled.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +63,21 @@ def read_reference(path: str | Path, adapter: str | None = None, vocab_size: int
 def _read_pt(path: Path) -> pd.DataFrame:
     """Serving-engine dumps: a dict {tokens, training_logprobs, sampling_logprobs?} of per-sample lists or
     2D tensors, or a list of such dicts (one per sample). Never unpickles anything but tensors and containers."""
+    if path.stat().st_size == 0:
+        raise InputError(path, "empty file (expected a torch.save of tensors, lists and dicts)")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, TypeError, OSError) as e:
+        with warnings.catch_warnings():  # (torch warns about pickle protocols on its way to refusing)
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's own text advises weights_only=False: never, for a file we were given
+        raise InputError(path, "refused: not a plain tensor file (a torch.save of tensors, lists and dicts only); "
+                         "it holds other Python objects or is no torch file, and lora-eval never unpickles it"
+                         ) from None
+    except OSError as e:
+        raise InputError(path, f"cannot be read ({e.strerror or e})") from None
+    except (RuntimeError, EOFError, ValueError, AttributeError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InputError(path, f"refused: not a plain tensor/list dump (loaded with weights_only=True only): "
-                         f"{first}") from None
+        raise InputError(path, f"not a readable torch file (truncated or corrupt: {first[:120]})") from None
     samples = data if isinstance(data, list) else [data]
     rows = []
     for i, item in enumerate(samples):
@@ -130,14 +143,14 @@ def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = Non
                 raise InputError(path, f"input_ids: token id {bad} is outside the model's vocabulary "
                                  f"[0, {vocab_size})", key=where)
         n = len(ids) - 1
-        logprobs = _finite(row["logprobs"], "logprobs", n, path, where)
+        logprobs = _logprobs(row["logprobs"], "logprobs", n, path, where)
         mask = None
         if not _missing(row["mask"]):
             mask = [bool(m) for m in _checked(row["mask"], "mask", "booleans (true/false or 0/1)", _is_bool, path,
                                               where, n)]
         scored += n if mask is None else sum(mask)
         sampler = row["sampler_logprobs"]
-        sampler = None if _missing(sampler) else _finite(sampler, "sampler_logprobs", n, path, where)
+        sampler = None if _missing(sampler) else _logprobs(sampler, "sampler_logprobs", n, path, where)
         adapter = row["adapter"]
         if _missing(adapter) or adapter == BASE:
             adapter = None
@@ -186,17 +199,27 @@ def _checked(value, column: str, what: str, accepts, path, where, length: int | 
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
-def _finite(value, column: str, length: int, path, where) -> list[float]:
+def _logprobs(value, column: str, length: int, path, where) -> list[float]:
+    """A column of log-probabilities as floats. Each is log p of a token that was sampled or scored, so it is
+    finite (p > 0: a token of probability 0 cannot have been sampled, and a dump that holds -inf for one is broken)
+    and at most 0 (p <= 1; log_softmax in any float precision never rounds above 0). NaN, +inf,
+    -inf and values above 0 are refused, naming the position."""
     values = _checked(value, column, "numbers", _is_number, path, where, length)
     try:
         array = np.asarray(values, dtype=np.float64)  # [length]: ints and floats alike (checked above)
     except OverflowError:  # an integer beyond any float
-        array = np.array([v if abs(v) < 1e308 else math.inf for v in values], dtype=np.float64)
-    nonfinite = np.flatnonzero(~np.isfinite(array))
-    if len(nonfinite):
-        bad = int(nonfinite[0])
-        raise InputError(path, f"{column} must hold finite numbers, found {str(values[bad])[:40]} at position {bad}",
-                         key=where)
+        array = np.array([v if abs(v) < 1e308 else math.inf if v > 0 else -math.inf for v in values], dtype=np.float64)
+    bad = np.flatnonzero(~(np.isfinite(array) & (array <= 0)))
+    if len(bad):
+        i = int(bad[0])
+        if np.isneginf(array[i]):
+            why = "a log-probability of -inf (probability 0: that token cannot have been sampled; a broken dump)"
+        elif np.isfinite(array[i]):
+            why = "a log-probability above 0 (probability above 1: impossible)"
+        else:
+            why = "not a finite number"
+        raise InputError(path, f"{column} must hold finite numbers <= 0 (log-probabilities), found "
+                         f"{str(values[i])[:40]} at position {i}: {why}", key=where)
     return array.tolist()
 
 

@@ -55,14 +55,19 @@ SAMPLED_BLOCKS = 256  # blocks of SAMPLED_BLOCK bytes read from each weight file
 SAMPLED_BLOCK = 1 << 16
 PACKAGES = ("lora-eval", "torch", "transformers", "peft", "safetensors", "triton", "numpy", "pandas", "pyarrow")
 RECORD_KEY = b"lora_eval.run"  # a single-file output's run record, in its Parquet metadata
+COMMANDS = ("compare", "mmlu", "diagnose", "dump-reference")  # the `command` of every run record lora-eval writes
 
 
 # ---- the output path ------------------------------------------------------------------------------------
 
 
-def check_out(out: str | Path | None, option: str = "--out", single_file: bool = False) -> Path | None:
-    """`out` as a Path, refused (InputError) unless its parent folder exists and is writable and `out` is not
-    something else (a file where a folder goes, or the other way round). Writes nothing."""
+def check_out(out: str | Path | None, option: str = "--out", single_file: bool = False,
+              inputs: dict[str, str | Path | None] | None = None) -> Path | None:
+    """`out` as a Path, refused (InputError) unless its parent folder exists and is writable, `out` is not
+    something else (a file where a folder goes, or the other way round), and neither `out` nor the lock and working
+    folder beside it (OUT.lock, OUT.partial) is, holds or lies inside one of the run's `inputs` (what names it, e.g.
+    '--model' -> its path; None entries are skipped): nothing a user gave is written to, --overwrite or not.
+    Writes nothing."""
     if out is None:
         return None
     out = Path(out)
@@ -79,7 +84,38 @@ def check_out(out: str | Path | None, option: str = "--out", single_file: bool =
         raise InputError(option, f"{out} is a folder; expected a file name")
     if not single_file and out.exists() and not out.is_dir():
         raise InputError(option, f"{out} exists and is not a folder")
+    written = [Path(os.path.realpath(out.with_name(out.name + suffix))) for suffix in ("", ".lock", ".partial")]
+    for name, path in (inputs or {}).items():
+        if path is None or not str(path):
+            continue
+        read = Path(os.path.realpath(path))  # (links resolved: a link to an input is that input)
+        for target in written:
+            if target == read or read in target.parents or target in read.parents:
+                how = "is" if target == read else "lies inside" if read in target.parents else "holds"
+                raise InputError(option, f"{target if target != written[0] else out} {how} {name} {path}, an input "
+                                 "of this run: lora-eval never writes to its inputs; choose another path")
     return out
+
+
+def run_inputs(model=None, adapters: dict | None = None, **named) -> dict[str, str | Path | None]:
+    """The input paths of a run for `check_out(inputs=...)`: `model` (--model), each adapter folder
+    (--adapter NAME), and `named` option -> a path or a list of paths (e.g. reference=[...], prompts=...,
+    against_model=...: the option's name is '--' + the key with '-' for '_'). A reference given as (NAME, PATH)
+    counts by its PATH."""
+    found: dict[str, str | Path | None] = {"--model": model}
+    found.update({f"--adapter {name}": folder for name, folder in (adapters or {}).items()})
+    for key, value in named.items():
+        option = "--" + key.replace("_", "-")
+        values = value if isinstance(value, (list, tuple)) and not _is_named_path(value) else [value]
+        for i, item in enumerate(values):
+            path = item[1] if _is_named_path(item) else item
+            found[option if len(values) == 1 else f"{option} {i + 1}"] = path
+    return found
+
+
+def _is_named_path(value) -> bool:
+    """(NAME, PATH), as compare and diagnose take a reference of a .pt dump."""
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -267,7 +303,11 @@ class Lock:
 
     def acquire(self, notice) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:  # a folder of that name, a file we may not write
+                raise InputError(self.path, f"cannot be opened as the run's lock file ({e.strerror}); move it away or "
+                                 "choose another output") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -291,6 +331,11 @@ class Lock:
                 break
             os.close(fd)  # the holder removed the file as we opened it: lock the new one
         previous = _read_holder(fd)
+        if previous and "pid" not in previous:  # a file of that name that no lora-eval run wrote: not ours to empty
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise InputError(self.path, "exists and is not a lora-eval lock file; lora-eval does not replace it: move "
+                             "it away or choose another output")
         if previous:
             if previous.get("host") not in (None, socket.gethostname()):
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -335,18 +380,24 @@ def _holder_text(holder: dict) -> str:
 
 class RunFolder:
     """The output of one run (`out` a folder, or one file with `single_file`); `None` for a run kept in memory
-    only (no lock, no parts, nothing written). Use as a context manager: entering takes the lock and looks at what
-    `out` holds — `stored` is then the record of a complete run of the same fingerprint (nothing to compute), else
-    the run starts or resumes in the staging folder. `record` (arguments and the like) goes into run.json. With
-    data-parallel `ranks` (distributed.py), rank 0 does all of that and tells the others; every rank writes parts."""
+    only (no lock, no parts, nothing written). Use as a context manager. Entering takes the lock, first of all: a
+    task enters before it reads any input, so that the loser of a race stops at once. `open(fingerprint, record)`
+    then looks at what `out` holds, once the task has read and checked its inputs: `stored` is the record of a
+    complete run of the same fingerprint (nothing to compute), else the run starts or resumes. The working folder
+    (OUT.partial) is made only when the work starts (`work`), after the model has loaded: a run refused for its
+    inputs leaves nothing behind, and one that fails before finishing any unit takes back the folder it made.
+    (Given at construction, `fingerprint` is opened on entering.) `record` (arguments and the like) goes into
+    run.json. With data-parallel `ranks` (distributed.py), rank 0 does all of that and tells the others; every rank
+    writes parts."""
 
-    def __init__(self, out: Path | None, command: str, fingerprint: dict, record: dict | None = None, *,
-                 overwrite: bool = False, single_file: bool = False, notice=print, ranks: Ranks | None = None):
+    def __init__(self, out: Path | None, command: str, fingerprint: dict | None = None, record: dict | None = None,
+                 *, overwrite: bool = False, single_file: bool = False, notice=print, ranks: Ranks | None = None):
         self.out, self.command, self.fingerprint = out, command, fingerprint
         self.record = dict(record or {})
         self.overwrite, self.single_file, self.notice, self.ranks = overwrite, single_file, notice, ranks
         self.leads = ranks is None or ranks.leads
         self.stored: dict | None = None
+        self._staging_made = False  # whether this run made OUT.partial (see __exit__)
         if out is not None:
             self.staging = out.with_name(out.name + ".partial")
             self.parts_dir = self.staging / "parts"
@@ -359,35 +410,59 @@ class RunFolder:
                                  "through it")
             if self.out is not None and self.leads:
                 self._lock.acquire(self.notice)
-                try:
-                    self._clean_leftovers()
-                    self._look()
-                except BaseException:
-                    self._lock.release()
-                    raise
+        if self.fingerprint is not None:
+            try:
+                self.open(self.fingerprint, self.record)
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+        return self
+
+    def open(self, fingerprint: dict, record: dict | None = None) -> None:
+        """Look at what `out` holds for a run of `fingerprint` (`stored`, a partial run to resume, or nothing) and
+        refuse what this run may not replace; makes no folder."""
+        self.fingerprint, self.record = fingerprint, dict(record or self.record)
+        with together(self.ranks):
+            if self.out is not None and self.leads:
+                self._clean_leftovers()
+                self._look()
         if self.ranks is not None:
             with held_signals() as held:
                 self.stored = self.ranks.share(self.stored)
                 if self.stored is not None:  # a complete run: every rank reports it and leaves (distributed.py)
                     held.conclude()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        if self.out is not None and self.leads:
+    def __exit__(self, kind=None, error=None, traceback=None) -> None:
+        if self.out is None or not self.leads:
+            return
+        try:  # a failed run that finished no unit takes back the folder it made: nothing to resume, no dead end
+            if error is not None and self._staging_made and not any(self.parts_dir.glob("part-*.parquet")):
+                try:
+                    status = json.loads((self.staging / "run.json").read_text(encoding="utf-8")).get("status")
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                    status = None
+                if status == "partial":  # (a complete one waits for its rename: the next run finishes it)
+                    shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
             self._lock.release()
 
     # -- what is there --
 
     def _look(self) -> None:
-        """Set `stored`, or prepare the staging folder: new, resumed (same fingerprint), or discarded (another
-        fingerprint, with overwrite). `overwrite` replaces what OUT holds; a partial run of this very fingerprint
-        is resumed either way."""
+        """Set `stored`, or note what the staging folder holds: nothing, a run to resume (same fingerprint), or one
+        to discard (another fingerprint, with overwrite, or without a finished unit). `overwrite` replaces what OUT
+        holds when lora-eval wrote it; a partial run of this very fingerprint is resumed either way."""
         staged = self._staged_record()
         if staged is not None and staged.get("fingerprint") != self.fingerprint:
-            if not self.overwrite:
-                raise InputError(self.staging, f"holds an unfinished run of other inputs or options "
-                                 f"({_said(differences(staged.get('fingerprint') or {}, self.fingerprint))}); "
-                                 "re-run the command that started it to finish it, or --overwrite to discard it")
+            found = _said(differences(staged.get("fingerprint") or {}, self.fingerprint))
+            done = len(list(self.parts_dir.glob("part-*.parquet")))
+            if done and not self.overwrite:
+                raise InputError(self.staging, f"holds an unfinished run of other inputs or options ({found}; {done} "
+                                 f"parts of finished work); re-run the command that started it to finish it (its "
+                                 f"arguments are in {self.staging / 'run.json'}), or --overwrite to discard it")
+            if not done:
+                self.notice(f"note: replacing {self.staging}, an unfinished run of other inputs that finished no unit "
+                            f"of work ({found})")
             shutil.rmtree(self.staging)
             staged = None
         if staged is not None and staged.get("status") == "complete":  # killed between the last write and the rename
@@ -404,8 +479,12 @@ class RunFolder:
                 what = "run" if self.single_file else f"{stored.get('command')} run"
                 raise InputError(self.out, f"holds a complete {what} of other inputs or options ({_said(found)}); "
                                  "--overwrite replaces it, or choose another output")
-        if staged is None:
+
+    def _ensure_staging(self) -> None:
+        """The working folder, made when the work starts (kept where a run of this fingerprint made it before)."""
+        if not self.staging.is_dir():
             self._start_staging()
+            self._staging_made = True
 
     def _reuse(self, record: dict) -> None:
         self.stored = record
@@ -419,28 +498,27 @@ class RunFolder:
             record = json.loads((self.staging / "run.json").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             record = None
-        if not isinstance(record, dict):
-            raise InputError(self.staging, "is not the working folder of a lora-eval run (no readable run.json); "
-                             "move it away or choose another output")
+        if not isinstance(record, dict) or record.get("command") not in COMMANDS:
+            raise InputError(self.staging, "is not the working folder of a lora-eval run (no readable run.json of "
+                             "ours); lora-eval does not remove it: move it away or choose another output")
         return record
 
     def _stored_record(self) -> dict:
-        """The record of the complete run at `out`; InputError when `out` holds something else."""
+        """The record of the complete run at `out`; InputError when `out` holds something lora-eval did not write
+        (never replaced, --overwrite or not)."""
         if self.single_file:
             try:
                 record = json.loads((pq.read_schema(self.out).metadata or {})[RECORD_KEY])
             except (pa.ArrowException, OSError, KeyError, UnicodeDecodeError, json.JSONDecodeError):
                 record = None
-            if not isinstance(record, dict):
-                if not self.overwrite:
-                    raise InputError(self.out, f"exists and was not written by lora-eval {self.command}; "
-                                     "--overwrite replaces it, or choose another file")
-                return {}
+            if not isinstance(record, dict) or record.get("command") != self.command:
+                raise InputError(self.out, f"exists and was not written by lora-eval {self.command}; lora-eval does "
+                                 "not replace it (--overwrite or not): choose another file, or move it away")
             return record
         record = read_record(self.out, required=False)
-        if record is None:
-            raise InputError(self.out, "exists and is not a lora-eval run folder (no run.json); lora-eval does not "
-                             "replace it: choose another --out")
+        if record is None or record.get("command") not in COMMANDS:
+            raise InputError(self.out, "exists and is not a lora-eval run folder (no run.json of ours); lora-eval "
+                             "does not replace it: choose another --out")
         if record.get("status") != "complete" or "fingerprint" not in record:
             if not self.overwrite:
                 raise InputError(self.out, "holds an incomplete run or one written by an earlier lora-eval (no "
@@ -474,6 +552,8 @@ class RunFolder:
         """The units of this run's work (weights: progress per unit, e.g. tokens of a batch), with the units
         finished before read back from the parts; with data-parallel ranks, this rank's share of the rest, in
         `lockstep` with the other ranks where their forwards exchange data (expert parallel)."""
+        if self.out is not None and self.leads:
+            self._ensure_staging()
         done = read_parts(self.parts_dir, self.notice) if self.out is not None and self.leads else {}
         mine = None
         if self.ranks is not None:
@@ -500,6 +580,7 @@ class RunFolder:
         """Write the finished run's files and its record as run.json, then make OUT appear."""
         if self.out is None:
             return
+        self._ensure_staging()
         for name, data in files.items():
             atomic_write(self.staging / name, data)
         atomic_write(self.staging / "run.json", json_bytes(record))
@@ -510,6 +591,7 @@ class RunFolder:
         """A single-file output: `data` (which carries its own record) replaces OUT in one rename."""
         if self.out is None:
             return
+        self._ensure_staging()
         atomic_write(self.staging / self.out.name, data)
         os.replace(self.staging / self.out.name, self.out)
         _fsync_dir(self.out.parent)
@@ -529,20 +611,11 @@ class RunFolder:
             shutil.rmtree(old)
 
     def resume_hint(self) -> str:
-        return "nothing was kept (no output given)" if self.out is None else \
-            f"finished parts are kept in {self.staging}; run the same command again to resume"
-
-
-def holds_this_run(out: Path | None, fingerprint: dict, overwrite: bool) -> bool:
-    """Whether `out` holds a complete run of exactly this fingerprint, which RunFolder will hand back as `stored`
-    (read without the lock): a task that would load a model before entering its RunFolder asks this first."""
-    if out is None or overwrite or not (out / "run.json").is_file():
-        return False
-    try:
-        record = read_record(out)
-    except InputError:
-        return False
-    return not differences(record.get("fingerprint") or {}, fingerprint)
+        if self.out is None:
+            return "nothing was kept (no output given)"
+        if not any(self.parts_dir.glob("part-*.parquet")):
+            return "no unit of work was finished; run the same command again to start over"
+        return f"finished parts are kept in {self.staging}; run the same command again to resume"
 
 
 def read_record(folder: Path, required: bool = True) -> dict | None:

@@ -24,12 +24,13 @@ import torch
 from .adapters import load_adapter
 from .distributed import Ranks, together
 from .engine import DTYPES, EngineOptions
+from .errors import InputError
 from .inputs import adapter_names, model_config
 from .models import load_model
 from .models.layers import interleave_gate_up
 from .prompts import read_prompts
 from .references import read_reference, reference_bytes
-from .runfolder import RECORD_KEY, InputDigests, RunFolder, Work, check_out, fingerprint, versions
+from .runfolder import RECORD_KEY, InputDigests, RunFolder, Work, check_out, fingerprint, run_inputs, versions
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
 
@@ -46,21 +47,24 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
     with together(ranks):  # every rank checks the same inputs; one line says what is wrong
         options = (options or EngineOptions()).resolved()
         adapters = adapter_names(adapters)
-        out = check_out(out, single_file=True)
-        _, args = model_config(model_dir)
-        frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notice)
-        shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
-        parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
-        record = options.record()
-        task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
-                            gate_up_layout=options.gate_up_layout, default_adapter=default_adapter,
-                            threads=record["threads"])
-        files = InputDigests(model_dir, adapters, {f"prompts/{Path(prompts).name}": prompts}).result()
+        out = check_out(out, single_file=True, inputs=run_inputs(model_dir, adapters, prompts=prompts))
+        if out is not None and out.suffix.lower() != ".parquet":  # (read back by its suffix: references.py)
+            raise InputError("--out", f"{out}: dump-reference writes the native Parquet format; name the file .parquet")
         arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()},
                          prompts=str(prompts), default_adapter=default_adapter)
-    with RunFolder(out, "dump-reference", fingerprint("dump-reference", files, task_options, versions()),
-                   dict(arguments=arguments), overwrite=overwrite, single_file=True, notice=notice,
-                   ranks=ranks) as folder:
+    with RunFolder(out, "dump-reference", overwrite=overwrite, single_file=True, notice=notice,
+                   ranks=ranks) as folder:  # the lock, first
+        with together(ranks):  # the prompts and adapters checked before any folder is made or model loaded
+            _, args = model_config(model_dir)
+            frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notice)
+            shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
+            parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
+            record = options.record()
+            task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
+                                gate_up_layout=options.gate_up_layout, default_adapter=default_adapter,
+                                threads=record["threads"])
+            files = InputDigests(model_dir, adapters, {f"prompts/{Path(prompts).name}": prompts}).result()
+        folder.open(fingerprint("dump-reference", files, task_options, versions()), dict(arguments=arguments))
         if folder.stored is not None:
             return read_reference(out)
         with quiet_libraries():
@@ -101,6 +105,11 @@ def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, opti
                 runner = merged_copy(model, adapter)
             for i in todo:
                 lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
+                if not bool(torch.isfinite(lp).all()):  # (else the written file's check would blame the output)
+                    raise InputError(model_dir, f"transformers computed a non-finite logprob for prompt "
+                                     f"{frame.at[i, 'sample_id']} under {name or 'the base model'} in "
+                                     f"{options.dtype}: the model's or the adapter's weights hold non-finite numbers, "
+                                     "or the dtype overflows")
                 work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
             if isinstance(runner, PeftModel):
                 model = runner.unload()  # back to the plain base model for the next adapter
