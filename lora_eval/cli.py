@@ -142,8 +142,10 @@ def references_and_out(command):
 def run_options(command):
     """--overwrite and --quiet: for commands that write a run folder or file."""
     command = click.option("--quiet", is_flag=True, help="No progress bar (also quiet under CI=true).")(command)
-    return click.option("--overwrite", is_flag=True, help="Replace what --out holds (a run of other inputs, or of "
-                        "another command); a partial run of these very inputs is resumed either way.")(command)
+    return click.option("--overwrite", is_flag=True,
+                        help="Replace what --out holds when lora-eval wrote it (a run of other inputs, or of another "
+                        "command); never a file or folder lora-eval did not write; a partial run of these very inputs "
+                        "is resumed either way.")(command)
 
 
 class Main(click.Group):

@@ -14,7 +14,7 @@ import torch
 
 from .bench import NOTE_SEPARATOR, bench
 from .compare import compare
-from .demo import run_demo
+from .demo import claim_folder, run_demo
 from .diagnose import diagnose
 from .diagnose_report import diagnose_summary
 from .engine import EngineOptions
@@ -26,7 +26,7 @@ from .mmlu import mmlu
 from .plan import plan, plan_text
 from .report import phase_times, render, summary_text, verdict
 from .results import CompareResult
-from .runfolder import atomic_write, check_out
+from .runfolder import atomic_write, check_out, run_inputs
 from .trainer import dump_reference
 
 
@@ -73,7 +73,7 @@ def dump_reference_command(model_dir, adapters, prompts, out, default_adapter, d
 
 def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
                     no_adapter_check, junit_path, overwrite, quiet, **engine):
-    check_out(junit_path, "--junit", single_file=True)
+    check_out(junit_path, "--junit", single_file=True, inputs=run_inputs(model_dir, adapters, reference=references))
     result = compare(model_dir, adapters, references, out=out, options=engine_options(**engine),
                      batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
                      max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
@@ -83,7 +83,7 @@ def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, 
 
 def mmlu_command(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
                  overwrite, quiet, **engine):
-    check_out(junit_path, "--junit", single_file=True)
+    check_out(junit_path, "--junit", single_file=True, inputs=run_inputs(model_dir, adapters, data=data))
     result = mmlu(model_dir, adapters, data, out=out, split=split, shots=shots, subjects=subjects, limit=limit,
                   max_drop=max_drop, options=engine_options(**engine), batch_tokens=batch_tokens, quiet=quiet,
                   overwrite=overwrite, notice=notice)
@@ -91,14 +91,14 @@ def mmlu_command(model_dir, adapters, data, out, split, shots, subjects, limit, 
 
 
 def demo_command(out, quiet):
-    Path(out).mkdir(parents=True, exist_ok=True)
+    claim_folder(Path(out))
     click.echo(f"building a tiny Qwen3-MoE model, two adapters and a reference dump in {out}/ ...")
     finish(run_demo(out, quiet=quiet, notice=notice), f"{out}/report", None)
 
 
 def report_command(run_dir, fmt, out_path):
     if out_path != "-":
-        check_out(out_path, "--out", single_file=True)
+        check_out(out_path, "--out", single_file=True, inputs={"RUN_DIR": run_dir})
     data = render(run_dir, fmt).encode("utf-8")
     if out_path == "-":
         click.echo(data, nl=False)  # bytes go to the binary stdout unchanged
@@ -115,7 +115,7 @@ def plan_command(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
 
 def bench_command(config_path, layers, adapters, rank, targets, batches, dtype, device, repeat, warmup, skip_hf,
                   also_eager, also_invariant, seed, out_path, quiet):
-    check_out(out_path, "--out", single_file=True)
+    check_out(out_path, "--out", single_file=True, inputs={"--config": config_path})
     options = EngineOptions(device=device, dtype=dtype).resolved()
     try:
         frame = bench(config_path, layers=layers, adapters=adapters, rank=rank, targets=targets, batches=batches,

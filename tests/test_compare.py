@@ -452,7 +452,7 @@ def test_mask_last_half(art, tmp_path, seed):
         mask = np.arange(n) >= n // 2
         # masked-out positions move by 3 nats (would fail everything if counted), counted ones by small noise
         noise = rng.uniform(-0.05, 0.05, n)
-        logprobs.append(list(np.asarray(lp) + np.where(mask, noise, 3.0)))
+        logprobs.append(list(np.minimum(np.asarray(lp) + np.where(mask, noise, -3.0), 0.0)))
         masks.append(list(mask))
     frame["logprobs"], frame["mask"] = logprobs, masks
     path = write_reference(frame, tmp_path / "masked.parquet")

@@ -740,7 +740,7 @@ def test_empty_files_and_missing_dev(small_data):
     test = small_data / "test" / "global_facts_test.csv"
     test.write_text("\n")
     check_error(small_data, f"{test}: no questions (empty file)", shots=0)
-    assert_input_error(run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data / "o",
+    assert_input_error(run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data.parent / "o",
                                "--shots", 0), str(test), "empty file")
 
 
@@ -769,9 +769,10 @@ def test_bad_cais_data(real, tmp_path):
 def test_bad_usage(small_data):
     for args, needles in [(["--subjects", "astrology"], ["--subjects", "'astrology' has no test questions"]),
                           (["--adapter", f"base={small_data}"], ["--adapter", "'base' is reserved for reports"])]:
-        assert_input_error(run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data / "o",
-                                   *args), *needles)
-    result = run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data / "o", "--limit", 0)
+        assert_input_error(run_cli("mmlu", "--model", small_data, "--data", small_data,
+                                   "--out", small_data.parent / "o", *args), *needles)
+    result = run_cli("mmlu", "--model", small_data, "--data", small_data, "--out", small_data.parent / "o",
+                     "--limit", 0)
     assert result.exit_code == 2 and "--limit" in result.stderr
 
 
