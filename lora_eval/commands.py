@@ -26,7 +26,7 @@ from .mmlu import mmlu
 from .plan import plan, plan_text
 from .report import phase_times, render, summary_text, verdict
 from .results import CompareResult
-from .runfolder import atomic_write, check_out, run_inputs
+from .runfolder import atomic_write, check_out, check_replaceable, run_inputs
 from .trainer import dump_reference
 
 
@@ -73,7 +73,8 @@ def dump_reference_command(model_dir, adapters, prompts, out, default_adapter, d
 
 def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
                     no_adapter_check, junit_path, overwrite, quiet, **engine):
-    check_out(junit_path, "--junit", single_file=True, inputs=run_inputs(model_dir, adapters, reference=references))
+    check_replaceable(check_out(junit_path, "--junit", single_file=True,
+                               inputs=run_inputs(model_dir, adapters, reference=references)), "--junit")
     result = compare(model_dir, adapters, references, out=out, options=engine_options(**engine),
                      batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
                      max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
@@ -83,7 +84,8 @@ def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, 
 
 def mmlu_command(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
                  overwrite, quiet, **engine):
-    check_out(junit_path, "--junit", single_file=True, inputs=run_inputs(model_dir, adapters, data=data))
+    check_replaceable(check_out(junit_path, "--junit", single_file=True,
+                               inputs=run_inputs(model_dir, adapters, data=data)), "--junit")
     result = mmlu(model_dir, adapters, data, out=out, split=split, shots=shots, subjects=subjects, limit=limit,
                   max_drop=max_drop, options=engine_options(**engine), batch_tokens=batch_tokens, quiet=quiet,
                   overwrite=overwrite, notice=notice)
@@ -98,7 +100,7 @@ def demo_command(out, quiet):
 
 def report_command(run_dir, fmt, out_path):
     if out_path != "-":
-        check_out(out_path, "--out", single_file=True, inputs={"RUN_DIR": run_dir})
+        check_replaceable(check_out(out_path, "--out", single_file=True, inputs={"RUN_DIR": run_dir}), "--out")
     data = render(run_dir, fmt).encode("utf-8")
     if out_path == "-":
         click.echo(data, nl=False)  # bytes go to the binary stdout unchanged
@@ -115,7 +117,7 @@ def plan_command(model_dir, adapters, gpus, batch_tokens, dtype, gpu_memory):
 
 def bench_command(config_path, layers, adapters, rank, targets, batches, dtype, device, repeat, warmup, skip_hf,
                   also_eager, also_invariant, seed, out_path, quiet):
-    check_out(out_path, "--out", single_file=True, inputs={"--config": config_path})
+    check_replaceable(check_out(out_path, "--out", single_file=True, inputs={"--config": config_path}), "--out")
     options = EngineOptions(device=device, dtype=dtype).resolved()
     try:
         frame = bench(config_path, layers=layers, adapters=adapters, rank=rank, targets=targets, batches=batches,

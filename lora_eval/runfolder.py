@@ -97,6 +97,26 @@ def check_out(out: str | Path | None, option: str = "--out", single_file: bool =
     return out
 
 
+# What the first KiB of a file lora-eval writes beside a run holds: its reports' and JUnit's name, bench's CSV header
+OWN_FILE_MARKS = (b"lora-eval", b"system,batch,case,")
+
+
+def check_replaceable(out: Path | None, option: str) -> None:
+    """A file that a command writes beside its run (--junit, report --out, bench --out) may replace only a file
+    lora-eval wrote there (re-running a CI job rewrites its JUnit; the run folder keeps the result): a file of the
+    user's at that path is refused, --overwrite or not."""
+    if out is None or not out.is_file():
+        return
+    try:
+        with open(out, "rb") as f:
+            head = f.read(1024)
+    except OSError as e:
+        raise InputError(option, f"{out} exists and cannot be read ({e.strerror}); choose another path") from None
+    if not any(mark in head for mark in OWN_FILE_MARKS):
+        raise InputError(option, f"{out} is a file lora-eval did not write; lora-eval never replaces it: choose "
+                         "another path")
+
+
 def run_inputs(model=None, adapters: dict | None = None, **named) -> dict[str, str | Path | None]:
     """The input paths of a run for `check_out(inputs=...)`: `model` (--model), each adapter folder
     (--adapter NAME), and `named` option -> a path or a list of paths (e.g. reference=[...], prompts=...,

@@ -41,6 +41,7 @@ from lora_eval.references import SCHEMA, read_reference, write_reference
 from lora_eval.runfolder import RunFolder
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
+from tests.test_reports import write_mmlu_run
 
 VOCAB = 96  # tests.builders' tiny vocabulary
 LOCK_HELD = "another lora-eval run is writing here"
@@ -231,6 +232,34 @@ def test_overwrite_replaces_only_what_lora_eval_wrote(art, tmp_path, no_model):
     lock.write_text("my notes")
     assert_input_error(run_cli(*compare_args(art, tmp_path / "run", ref)), str(lock), "not a lora-eval lock file")
     assert lock.read_text() == "my notes" and not (tmp_path / "run").exists()
+
+
+def test_files_beside_a_run_never_replace_an_input_or_a_users_file(art, tmp_path, no_model):
+    """--junit, report --out and bench --out: never onto an input of the command, nor onto a file lora-eval did not
+    write (the report once replaced a model's config.json with HTML); a file of ours (a re-run's JUnit or report) is
+    replaced."""
+    ref = write_reference(frame(art["seed"] + 11), tmp_path / "ref.parquet")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("the user's own notes")
+    before = files_under(art["model"])
+    run_dir = tmp_path / "mmlu-run"
+    write_mmlu_run(run_dir, np.random.default_rng(art["seed"]))
+    cases = [(compare_args(art, tmp_path / "run", ref) + ["--junit", art["model"] / "config.json"], "--model"),
+             (compare_args(art, tmp_path / "run", ref) + ["--junit", ref], "--reference"),
+             (compare_args(art, tmp_path / "run", ref) + ["--junit", notes], "did not write"),
+             (["report", run_dir, "--out", art["model"] / "config.json"], "did not write"),
+             (["report", run_dir, "--out", run_dir / "mmlu.md"], "RUN_DIR"),
+             (["report", run_dir, "--out", notes], "did not write"),
+             (["bench", "--config", art["model"] / "config.json", "--out", art["model"] / "config.json"], "--config"),
+             (["bench", "--config", art["model"] / "config.json", "--out", notes], "did not write")]
+    for args, needle in cases:
+        assert_input_error(run_cli(*args), needle)
+    assert files_under(art["model"]) == before and notes.read_text() == "the user's own notes"
+    assert not (tmp_path / "run").exists()
+    for _ in range(2):  # the second time replaces the first's file: lora-eval wrote it
+        result = run_cli("report", run_dir, "--format", "md", "--out", tmp_path / "mmlu.md")
+        assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "mmlu.md").read_bytes() == (run_dir / "mmlu.md").read_bytes()
 
 
 # ---- 3. dead ends ----------------------------------------------------------------------------------------
