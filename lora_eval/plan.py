@@ -106,6 +106,9 @@ def plan(model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *
         raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
     if gpus < 1:
         raise InputError("--gpus", f"expected an integer >= 1, found {gpus}")
+    if gpu_memory_gb is not None and (isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float))
+                                      or not math.isfinite(gpu_memory_gb) or gpu_memory_gb <= 0):
+        raise InputError("--gpu-memory", f"expected a finite number of GB > 0, found {gpu_memory_gb!r}")
     counts = model_parameters(model_dir)
     size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     memory = gpu_memory_gb if gpu_memory_gb is not None else default_gpu_memory_gb()

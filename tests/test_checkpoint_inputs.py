@@ -376,3 +376,30 @@ def test_weights_transformers_loaded_are_checked_too(good, tmp_path):
     with pytest.raises(InputError) as e:
         check_loaded_weights(model, dict(AutoModelForCausalLM.from_pretrained(model).named_parameters()))
     assert (e.value.where, e.value.key) == (str(model / "model.safetensors"), EXPERT) and "nan" in e.value.problem
+
+
+def test_an_mxfp4_scale_out_of_range_is_refused(tmp_path, seed):
+    """gpt-oss experts in MXFP4: an E8M0 scale of 255 (its NaN code) makes the dequantised experts infinite."""
+    from safetensors import safe_open
+
+    from tests.builders import GPT_OSS_NOT_CONVERTED, save_quantized_copy
+
+    base = save_random_model(tmp_path / "base", "gpt_oss", seed=seed, hidden_size=96, intermediate_size=32)
+    quant, _, quantized = save_quantized_copy(base, tmp_path / "mxfp4", tmp_path / "plain", "mxfp4",
+                                              GPT_OSS_NOT_CONVERTED)
+    load_model(quant, device="cpu")
+    key = next(k for k in quantized if k.endswith("gate_up_proj"))
+    with safe_open(str(quant / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor(f"{key}_scales").dtype == torch.uint8
+    edit_tensor(quant / "model.safetensors", f"{key}_scales", poke(255))
+    with pytest.raises(InputError) as e:
+        load_model(quant, device="cpu")
+    assert (e.value.where, e.value.key) == (str(quant / "model.safetensors"), key), e.value
+    assert "quantization scales out of range" in e.value.problem
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])  # (click refuses a negative one)
+def test_plan_gpu_memory_must_be_a_finite_positive_number(good, tmp_path, value):
+    assert run("plan", good, tmp_path, None, None, "--gpu-memory", "80").exit_code == 0
+    assert_input_error(run("plan", good, tmp_path, None, None, "--gpu-memory", value), "--gpu-memory: ",
+                       "expected a finite number of GB > 0")
