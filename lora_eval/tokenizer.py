@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from .checkpoint import readable_file
 from .errors import InputError
 
 # the files a tokenizer is saved in (transformers: fast, sentencepiece, BPE and WordPiece vocabularies); without
@@ -18,6 +19,10 @@ def load_tokenizer(model_dir: str | Path, needed_for: str | None = None):
     """The model folder's tokenizer. Without `needed_for`, None when the folder has none or it cannot be read;
     with it (e.g. "mmlu"), an InputError naming the folder, what needs it and what is wrong."""
     model_dir = Path(model_dir)
+    if needed_for is not None:  # a tokenizer file that is a folder, a broken link or unreadable: named as such
+        for path in (model_dir / name for name in TOKENIZER_FILES):
+            if path.exists() or path.is_symlink():
+                readable_file(path)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         if needed_for is None:
             return None  # (before importing transformers' tokenizers: that alone takes ~1.6 s)

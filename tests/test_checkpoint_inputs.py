@@ -403,3 +403,9 @@ def test_plan_gpu_memory_must_be_a_finite_positive_number(good, tmp_path, value)
     assert run("plan", good, tmp_path, None, None, "--gpu-memory", "80").exit_code == 0
     assert_input_error(run("plan", good, tmp_path, None, None, "--gpu-memory", value), "--gpu-memory: ",
                        "expected a finite number of GB > 0")
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_named(good, tmp_path):
+    model = copy(good.model, tmp_path / "model")
+    reason = break_file(model / "tokenizer.json", "dangling link")
+    assert_input_error(run("mmlu", good, tmp_path, model), f"{model / 'tokenizer.json'}: ", reason)
