@@ -62,9 +62,7 @@ def config_reader(config: dict, where: str):
 def rope_number(params: dict, name: str, where: str, key: str, default=None, minimum: float | None = None) -> float:
     """params[name] (a rope parameter; `default` where absent) as a finite float, > 0 (or >= `minimum`), or an
     InputError naming the rope's key in config.json and the parameter."""
-    value = params.get(name, default)
-    if value is None:
-        value = default
+    value = default if params.get(name) is None else params[name]
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not number or (value <= 0 if minimum is None else value < minimum):
         bound = "> 0" if minimum is None else f">= {minimum}"
