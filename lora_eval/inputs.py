@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .checkpoint import read_json
 from .errors import InputError
-from .models import family_and_args
+from .models import check_folder_vocab, family_and_args
 from .names import BASE, OVERALL
 
 
@@ -42,13 +42,17 @@ def positive_int(value, option: str, low: int = 1) -> int:
 
 
 def model_config(model_dir: str | Path) -> tuple[dict, object]:
-    """The model's config.json and its ModelArgs (family, sizes, vocabulary) checked, no weights read."""
+    """The model's config.json and its ModelArgs (family, sizes, vocabulary) checked, and the weight files, where
+    present, opened (headers only): each readable, and the vocabulary config.json gives the one the weights have
+    (before any token id is checked against it)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(model_dir, "model folder not found")
     path = model_dir / "config.json"
     config = read_json(path)
-    return config, family_and_args(config, path)[1]
+    args = family_and_args(config, path)[1]
+    check_folder_vocab(model_dir, args)
+    return config, args
 
 
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:

@@ -24,13 +24,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from safetensors import safe_open
 
-from .checkpoint import read_json
+from .checkpoint import TensorFiles, read_json
 from .engine import DTYPES, LOGITS_BUDGET
 from .prefixes import PREFIX_CACHE_BYTES
 from .errors import InputError
-from .models import family_and_args
+from .models import check_folder_vocab, family_and_args
 from .models.layers import FusedExperts
 from .runners.graphs import BucketPlan
 
@@ -40,9 +39,14 @@ LAYOUTS = ("one GPU", "data parallel", "expert parallel")
 
 def model_parameters(model_dir: str | Path) -> dict:
     """Parameter counts of the model config.json describes (no weights read): total, routed experts, the rest, and
-    those active per token (the rest plus top_k of every MoE layer's experts)."""
-    path = Path(model_dir) / "config.json"
+    those active per token (the rest plus top_k of every MoE layer's experts). Where the folder holds weights (a
+    plan may come before the download), their headers are read and their vocabulary checked against config.json."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise InputError(model_dir, "model folder not found")
+    path = model_dir / "config.json"
     family, args = family_and_args(read_json(path), path)
+    check_folder_vocab(model_dir, args)
     with torch.device("meta"):
         model = family.CausalLM(args)
     experts, seen, moe_inter = 0, set(), 0
@@ -60,19 +64,26 @@ def model_parameters(model_dir: str | Path) -> dict:
 
 
 def adapter_parameters(adapters: dict[str, str | Path]) -> tuple[int, int]:
-    """(expert factors, other factors) over every adapter, from the safetensors headers."""
+    """(expert factors, other factors) over every adapter, from the safetensors headers (every file error an
+    InputError naming the file, as when the adapter loads)."""
     experts = other = 0
     for folder in adapters.values():
-        path = Path(folder) / "adapter_model.safetensors"
-        if not path.is_file():
-            continue  # a .bin adapter: counted when it loads
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                n = math.prod(f.get_slice(key).get_shape())
-                if ".experts" in key:
-                    experts += n
-                else:
-                    other += n
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise InputError(folder, "adapter folder not found")
+        path = folder / "adapter_model.safetensors"
+        if not (path.exists() or path.is_symlink()):
+            if (folder / "adapter_model.bin").is_file():
+                continue  # a .bin adapter: counted when it loads
+            raise InputError(folder, "adapter weights file missing: expected adapter_model.safetensors (or "
+                             "adapter_model.bin)")
+        files = TensorFiles([path])
+        for key in files.keys():
+            n = math.prod(files.shape(key))
+            if ".experts" in key:
+                experts += n
+            else:
+                other += n
     return experts, other
 
 
@@ -95,6 +106,9 @@ def plan(model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *
         raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
     if gpus < 1:
         raise InputError("--gpus", f"expected an integer >= 1, found {gpus}")
+    if gpu_memory_gb is not None and (isinstance(gpu_memory_gb, bool) or not isinstance(gpu_memory_gb, (int, float))
+                                      or not math.isfinite(gpu_memory_gb) or gpu_memory_gb <= 0):
+        raise InputError("--gpu-memory", f"expected a finite number of GB > 0, found {gpu_memory_gb!r}")
     counts = model_parameters(model_dir)
     size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     memory = gpu_memory_gb if gpu_memory_gb is not None else default_gpu_memory_gb()

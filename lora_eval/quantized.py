@@ -145,12 +145,17 @@ class QuantizedFiles:
     `quantized` collects the plain names served dequantised (checked on the meta device, or read)."""
 
     def __init__(self, files, quant: Quantization, dtype: torch.dtype, device: torch.device):
-        self.files, self.quant, self.dtype, self.device = files, quant, dtype, torch.device(device)
+        self.files, self.quant, self.compute_dtype, self.device = files, quant, dtype, torch.device(device)
         self.quantized: set[str] = set()
 
     @property
     def read_keys(self) -> set[str]:
         return self.files.read_keys
+
+    @property
+    def stored(self):
+        """The tensors as stored (packed data and scales under their own keys), for naming a bad one."""
+        return self.files
 
     def keys(self) -> list[str]:
         return self.files.keys()
@@ -165,9 +170,13 @@ class QuantizedFiles:
     def describe(self) -> str:
         return self.files.describe()
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The dtype `key` is read in: the compute dtype where it is stored quantized, else as stored."""
+        return self.compute_dtype if self._parts(key) is not None else self.files.dtype(key)
+
     def numerics(self) -> str | None:
         """What the run emulates (Quantization.describe), or None where no tensor was stored quantized."""
-        return self.quant.describe(self.dtype) if self.quantized else None
+        return self.quant.describe(self.compute_dtype) if self.quantized else None
 
     def check(self, key: str, shape: tuple[int, ...]) -> None:
         """Raise unless `key` exists with `shape`, its packed parts and scales matching (headers only)."""
@@ -189,9 +198,9 @@ class QuantizedFiles:
         self.check(key, shape if shape is not None else self._plain_shape(parts[0]))
         data, scales = (self.files.get(part).to(self.device) for part in parts)
         if self.quant.method == "mxfp4":
-            out = dequantize_mxfp4(data, scales, self.dtype).transpose(-1, -2)  # [..., cols, rows], a view
+            out = dequantize_mxfp4(data, scales, self.compute_dtype).transpose(-1, -2)  # [..., cols, rows], a view
         else:
-            out = dequantize_fp8(data, scales, self.quant.block, self.dtype)  # [..., out, in]
+            out = dequantize_fp8(data, scales, self.quant.block, self.compute_dtype)  # [..., out, in]
         return out if dtype is None else out.to(dtype)
 
     def _parts(self, key: str) -> tuple[str, str] | None:

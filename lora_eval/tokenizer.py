@@ -7,16 +7,27 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from .checkpoint import readable_file
 from .errors import InputError
+
+# the files a tokenizer is saved in (transformers: fast, sentencepiece, BPE and WordPiece vocabularies); without
+# any of them transformers still builds one from config.json's model_type, which turns every text into no tokens
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def load_tokenizer(model_dir: str | Path, needed_for: str | None = None):
     """The model folder's tokenizer. Without `needed_for`, None when the folder has none or it cannot be read;
-    with it (e.g. "mmlu"), an InputError naming the folder and what needs it."""
+    with it (e.g. "mmlu"), an InputError naming the folder, what needs it and what is wrong."""
     model_dir = Path(model_dir)
-    if needed_for is None and not any((model_dir / name).is_file()
-                                      for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None  # (before importing transformers' tokenizers: that alone takes ~1.6 s)
+    if needed_for is not None:  # a tokenizer file that is a folder, a broken link or unreadable: named as such
+        for path in (model_dir / name for name in TOKENIZER_FILES):
+            if path.exists() or path.is_symlink():
+                readable_file(path)
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        if needed_for is None:
+            return None  # (before importing transformers' tokenizers: that alone takes ~1.6 s)
+        raise InputError(model_dir, f"{needed_for} needs the model's tokenizer, and the model folder has none (no "
+                         f"{', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -25,11 +36,16 @@ def load_tokenizer(model_dir: str | Path, needed_for: str | None = None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            if not tokenizer("The answer is A.", add_special_tokens=False)["input_ids"]:
+                raise ValueError("it turns text into no tokens")  # a vocabulary of special tokens only
+            return tokenizer
     except Exception as e:  # transformers raises several types for a missing or broken tokenizer
         if needed_for is None:
             return None  # an unreadable tokenizer only costs the decoded text
-        raise InputError(model_dir, f"{needed_for} needs the model's tokenizer in the model folder ({e})") from None
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the message is one line
+        raise InputError(model_dir, f"{needed_for} needs the model's tokenizer, and the one in the model folder "
+                         f"cannot be used ({reason})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
 

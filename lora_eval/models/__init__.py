@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import TensorDict, TensorFiles, read_json
+from ..checkpoint import TensorDict, TensorFiles, check_finite, check_finite_numbers, read_json
 from ..errors import InputError, UnsupportedError
 from ..quantized import QuantizedFiles, read_quantization
 from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3, qwen3_vl_moe
@@ -54,6 +54,7 @@ def family_and_args(config: dict, where):
 
 def _family_args_quantization(config: dict, where):
     """(family module, its ModelArgs, lora_eval.quantized.Quantization or None) for `config`."""
+    check_finite_numbers(config, where)
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
@@ -72,9 +73,11 @@ def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, 
     if experts is not None:  # expert parallel: this rank's experts, read alone
         experts.shard_model(model)
         files = experts.shard_files(files)
+    check_vocab(args, files)
     if quant is not None:
         files = QuantizedFiles(files, quant, dtype, torch.device(device))
     weights = family.load_weights(model, files, dtype, torch.device(device))
+    check_finite(weights, files)
     args.quantization = files.numerics() if quant is not None else None
     # checkpoint parts that are no weights of our model, by the family's say (a vision tower, MTP layers)
     skipped = tuple(getattr(args, "skipped_key_prefixes", ()))
@@ -94,6 +97,30 @@ def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, 
     model.inv_freq = model.rope_inv_freq(args.head_dim, args.rope, args.where).to(device)
     model.eval()
     return model
+
+
+def check_loaded_weights(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`check_finite` for weights another loader read from the checkpoint in `model_dir` (transformers, for
+    dump-reference): {name: tensor where it was loaded}; a non-finite one is named by its checkpoint file and key."""
+    check_finite(tensors, TensorFiles.from_checkpoint_dir(Path(model_dir)))
+
+
+def check_folder_vocab(model_dir: Path, args) -> None:
+    """`check_vocab` against the weights' headers, where the folder holds weights (a plan may come before the
+    download; a load reports weights that are missing)."""
+    if TensorFiles.in_checkpoint_dir(model_dir):
+        check_vocab(args, TensorFiles.from_checkpoint_dir(model_dir))
+
+
+def check_vocab(args, files) -> None:
+    """Refuse a config.json whose vocab_size disagrees with the rows of the checkpoint's token embedding or lm_head
+    (read from the headers): blamed on the config against the weights, before any token id is checked against it."""
+    for key in files.keys():
+        if key == "lm_head.weight" or key.endswith("embed_tokens.weight") and key.count("layers.") == 0:
+            rows = files.shape(key)[0]
+            if rows != args.vocab_size:
+                raise InputError(args.where, f"{args.vocab_size}, but the weights have {rows} rows ({key} in "
+                                 f"{files.file_of(key)}); does config.json match the weights?", key="vocab_size")
 
 
 def _describe(args) -> str:

@@ -46,9 +46,11 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from . import qwen3
-from .layers import FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing, yarn_mscale, yarn_rope
+from .layers import (FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing, rope_number, yarn_mscale,
+                     yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -148,9 +150,9 @@ class ModelArgs:
             top_k=read("num_experts_per_tok", int, minimum=1),
             n_shared_experts=read("n_shared_experts", int, minimum=0), n_group=read("n_group", int, minimum=1),
             topk_group=read("topk_group", int, minimum=1), norm_topk_prob=bool(config["norm_topk_prob"]),
-            routed_scaling_factor=read("routed_scaling_factor", float),
+            routed_scaling_factor=read("routed_scaling_factor", float, positive=True),
             first_k_dense_replace=read("first_k_dense_replace", int, minimum=0),
-            rms_norm_eps=read("rms_norm_eps", float), attention_bias=bool(config["attention_bias"]),
+            rms_norm_eps=read("rms_norm_eps", float, positive=True), attention_bias=bool(config["attention_bias"]),
             rope_interleave=bool(config["rope_interleave"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             num_mtp_layers=read("num_nextn_predict_layers", int, minimum=0), where=where,
@@ -191,8 +193,10 @@ def _rope(config: dict, rope_dim: int, qk_head_dim: int, where: str) -> tuple[di
     attention_factor = yarn_rope(rope_dim, rope, where, key)[1] if rope["rope_type"] == "yarn" else 1.0
     scale = qk_head_dim ** -0.5
     if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-        factor = rope.get("factor") or rope["max_position_embeddings"] / rope["original_max_position_embeddings"]
-        m = yarn_mscale(float(factor), float(rope["mscale_all_dim"]))
+        factor = rope_number(rope, "factor", where, key) if rope.get("factor") is not None else \
+            rope_number(rope, "max_position_embeddings", where, key) / \
+            rope_number(rope, "original_max_position_embeddings", where, key)
+        m = yarn_mscale(factor, rope_number(rope, "mscale_all_dim", where, key, minimum=0))
         scale = scale * m * m
     return rope, attention_factor, scale
 
@@ -317,8 +321,8 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
             continue
         shape = tuple(tensor.shape)
         if device.type == "meta":
-            files.check(name, shape)
+            check_weight(files, name, shape)
             weights[name] = torch.empty(shape, dtype=torch.float32, device=device)
         else:
-            weights[name] = files.get(name, shape).to(device=device, dtype=torch.float32)
+            weights[name] = read_weight(files, name, shape).to(device=device, dtype=torch.float32)
     return weights

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from ..checkpoint import check_weight, read_weight
 from ..errors import InputError
 from . import qwen3
 from .layers import FusedExperts, Linear, group_topk_sigmoid_routing
@@ -72,7 +73,7 @@ class ModelArgs(qwen3.ModelArgs):
         self.moe_intermediate_size = read("moe_intermediate_size", int, minimum=1)
         self.norm_topk_prob = bool(config["norm_topk_prob"])
         self.n_shared_experts = read("n_shared_experts", int, minimum=1)
-        self.routed_scaling_factor = read("routed_scaling_factor", float)
+        self.routed_scaling_factor = read("routed_scaling_factor", float, positive=True)
         self.n_group = read("n_group", int, minimum=1)
         self.topk_group = read("topk_group", int, minimum=1)
         E, G = self.num_experts, self.n_group
@@ -188,6 +189,6 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
         if name.endswith(FLOAT32_KEYS) and dtype != torch.float32:
             shape = tuple(weights[name].shape)
             weights[name] = torch.empty(shape, dtype=torch.float32, device=device) if device.type == "meta" \
-                else files.get(name, shape).to(device=device, dtype=torch.float32)
+                else read_weight(files, name, shape).to(device=device, dtype=torch.float32)
     return weights
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..checkpoint import check_weight, read_weight
 from ..errors import InputError
 from . import qwen3
 from .layers import FusedExperts, Linear, RMSNorm, config_reader, deinterleave_gate_up, yarn_rope
@@ -101,15 +102,17 @@ class ModelArgs:
             num_kv_heads=read("num_key_value_heads", int, default=heads, minimum=1),
             head_dim=read("head_dim", int, default=hidden // heads, minimum=1),
             intermediate_size=read("intermediate_size", int, minimum=1), num_experts=num_experts, top_k=top_k,
-            rms_norm_eps=read("rms_norm_eps", float, default=1e-5), layer_types=tuple(layer_types),
-            sliding_window=window, swiglu_alpha=read("swiglu_alpha", float, default=1.702),
-            swiglu_limit=read("swiglu_limit", float, default=7.0, minimum=0),
+            rms_norm_eps=read("rms_norm_eps", float, default=1e-5, positive=True), layer_types=tuple(layer_types),
+            sliding_window=window, swiglu_alpha=read("swiglu_alpha", float, default=1.702, positive=True),
+            swiglu_limit=read("swiglu_limit", float, default=7.0, positive=True),
             attention_bias=bool(config.get("attention_bias", True)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), where=where,
         )
         if heads % args.num_kv_heads:
             raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
                              key="num_key_value_heads")
+        if args.head_dim % 2:  # RoPE rotates pairs of dims
+            raise InputError(where, f"RoPE needs an even head_dim, found {args.head_dim}", key="head_dim")
         args.rope, args.rope_scale = _rope(config, args.head_dim, where)
         return args
 
@@ -216,15 +219,15 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
             transposed, _ = CHECKPOINT_EXPERT_KEYS[kind]
             disk_shape = (shape[0], shape[2], shape[1]) if transposed else shape  # [E, in, out] on disk
             if device.type == "meta":
-                files.check(name, disk_shape)
+                check_weight(files, name, disk_shape)
                 weights[name] = torch.empty(shape, dtype=dtype, device=device)
             else:
-                weights[name] = to_our_layout(kind, files.get(name, disk_shape)).to(device=device, dtype=dtype)
+                weights[name] = to_our_layout(kind, read_weight(files, name, disk_shape)).to(device=device, dtype=dtype)
         elif device.type == "meta":
-            files.check(name, shape)
+            check_weight(files, name, shape)
             weights[name] = torch.empty(shape, dtype=dtype, device=device)
         else:
-            weights[name] = files.get(name, shape).to(device=device, dtype=dtype)
+            weights[name] = read_weight(files, name, shape).to(device=device, dtype=dtype)
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights

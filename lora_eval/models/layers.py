@@ -34,10 +34,11 @@ class Linear(nn.Module):
 
 
 def config_reader(config: dict, where: str):
-    """`read(key, kind, *alts, default=None, minimum=None)`: config[key] (or the first alternative name present) as
-    `kind` (int or float), `default` where none is present, or an InputError naming the key and what was expected;
-    the one validating reader every family's ModelArgs uses."""
-    def read(key, kind, *alts, default=None, minimum=None):
+    """`read(key, kind, *alts, default=None, minimum=None, positive=False)`: config[key] (or the first alternative name
+    present) as `kind` (int or float), `default` where none is present, or an InputError naming the key and what was
+    expected: a finite number (an integer for int), >= `minimum`, > 0 where `positive`; the one validating reader
+    every family's ModelArgs uses."""
+    def read(key, kind, *alts, default=None, minimum=None, positive=False):
         for k in (key, *alts):
             if config.get(k) is not None:
                 key, value = k, config[k]
@@ -47,14 +48,26 @@ def config_reader(config: dict, where: str):
                 raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'",
                                  key=key)
             return default
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         ok = number and (kind is not int or float(value) == int(value))
-        if not ok or (minimum is not None and value < minimum):
-            raise InputError(where, f"expected {'an integer' if kind is int else 'a number'}"
-                             f"{f' >= {minimum}' if minimum is not None else ''}, found {value!r}", key=key)
+        if not ok or (minimum is not None and value < minimum) or (positive and value <= 0):
+            bound = " > 0" if positive else f" >= {minimum}" if minimum is not None else ""
+            raise InputError(where, f"expected {'an integer' if kind is int else 'a finite number'}{bound}, found "
+                             f"{value!r}", key=key)
         return kind(value)
 
     return read
+
+
+def rope_number(params: dict, name: str, where: str, key: str, default=None, minimum: float | None = None) -> float:
+    """params[name] (a rope parameter; `default` where absent) as a finite float, > 0 (or >= `minimum`), or an
+    InputError naming the rope's key in config.json and the parameter."""
+    value = default if params.get(name) is None else params[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (value <= 0 if minimum is None else value < minimum):
+        bound = "> 0" if minimum is None else f">= {minimum}"
+        raise InputError(where, f"'{name}' must be a finite number {bound}, found {value!r}", key=key)
+    return float(value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,8 +201,8 @@ def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> to
     params = dict(config.get(key) or {})
     theta = params.get("rope_theta", config.get("rope_theta"))
     theta = 10000.0 if theta is None else theta  # transformers' default where the config names none
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise InputError(where, f"expected a positive number, found {theta!r}", key="rope_theta")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
+        raise InputError(where, f"expected a finite number > 0, found {theta!r}", key="rope_theta")
     theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()  # [D/2]
@@ -197,10 +210,13 @@ def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> to
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / float(params["factor"])
+        return inv_freq / rope_number(params, "factor", where, key)
     if rope_type == "llama3":
-        factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_len = float(params["original_max_position_embeddings"])
+        factor, low, high = (rope_number(params, name, where, key)
+                             for name in ("factor", "low_freq_factor", "high_freq_factor"))
+        if high <= low:
+            raise InputError(where, f"high_freq_factor ({high}) must exceed low_freq_factor ({low})", key=key)
+        old_len = rope_number(params, "original_max_position_embeddings", where, key)
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
@@ -216,15 +232,14 @@ def yarn_rope(head_dim: int, params: dict, where: str = "config.json",
     blend interpolated (/ factor) and original frequencies over a linear ramp between the beta_fast / beta_slow
     correction dims, and the attention factor that multiplies cos and sin. `params`: the config's rope parameters
     with rope_theta, and max_position_embeddings (used when there is no factor)."""
-    def number(name, default=None):
-        value = params.get(name, default)
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise InputError(where, f"yarn rope needs a positive number for '{name}', found {value!r}", key=key)
-        return float(value)
+    def number(name, default=None, minimum=None):
+        return rope_number(params, name, where, key, default, minimum)
 
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedError(where, "partial_rotary_factor with a yarn rope is not supported", key=key)
     theta = number("rope_theta")
+    if theta <= 1:  # its logarithm divides the correction dims
+        raise InputError(where, f"yarn rope needs rope_theta > 1, found {theta!r}", key=key)
     original = number("original_max_position_embeddings")
     factor = params.get("factor")
     factor = number("factor") if factor is not None else number("max_position_embeddings") / original
@@ -233,9 +248,10 @@ def yarn_rope(head_dim: int, params: dict, where: str = "config.json",
         def mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        m, m_all = (number(name, 0, minimum=0) for name in ("mscale", "mscale_all_dim"))
         attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+    attention_factor = number("attention_factor", attention_factor)
+    beta_fast, beta_slow = number("beta_fast", 32), number("beta_slow", 1)
     dim = head_dim
 
     def correction_dim(rotations):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InputError
 from . import qwen3
 from .layers import RMSNorm
 from .qwen3 import load_weights
@@ -35,9 +34,7 @@ class ModelArgs(qwen3.ModelArgs):
         self.read_experts(config, read, intermediate_key="intermediate_size")
         self.sparse_layers = tuple(range(self.num_layers))
         if config.get("clip_qkv") is not None:
-            self.clip_qkv = read("clip_qkv", float)
-            if not self.clip_qkv > 0:
-                raise InputError(self.where, f"expected a number > 0 or null, found {self.clip_qkv!r}", key="clip_qkv")
+            self.clip_qkv = read("clip_qkv", float, positive=True)
 
 
 class Attention(qwen3.Attention):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from .layers import Embedding, FusedExperts, Linear, RMSNorm, config_reader, rope_cos_sin, rope_inv_freq
 
@@ -66,7 +67,8 @@ class ModelArgs:
             num_layers=layers, num_heads=heads, num_kv_heads=read("num_key_value_heads", int, default=heads, minimum=1),
             head_dim=read("head_dim", int, default=hidden // heads, minimum=1),
             intermediate_size=read("intermediate_size", int, default=0, minimum=0),
-            rms_norm_eps=read("rms_norm_eps", float, default=1e-6), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rms_norm_eps=read("rms_norm_eps", float, default=1e-6, positive=True),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rope={k: config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}, where=where,
@@ -74,6 +76,8 @@ class ModelArgs:
         if heads % args.num_kv_heads:
             raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
                              key="num_key_value_heads")
+        if args.head_dim % 2:  # RoPE rotates pairs of dims
+            raise InputError(where, f"RoPE needs an even head_dim, found {args.head_dim}", key="head_dim")
         args.read_family(config, read)
         if len(args.sparse_layers) < layers and args.intermediate_size <= 0:
             raise InputError(where, "dense MLP layers need a positive intermediate_size", key="intermediate_size")
@@ -253,10 +257,10 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
         if kind in expert_keys and key not in files:
             weights[name] = _read_experts(files, key, param.shape, expert_keys[kind], dtype, device)
         elif device.type == "meta":
-            files.check(key, tuple(param.shape))
+            check_weight(files, key, tuple(param.shape))
             weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
         else:
-            weights[name] = files.get(key, tuple(param.shape)).to(device=device, dtype=dtype)
+            weights[name] = read_weight(files, key, tuple(param.shape)).to(device=device, dtype=dtype)
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
@@ -272,7 +276,7 @@ def _read_experts(files, name, shape, projections, dtype, device) -> torch.Tenso
         for j, proj in enumerate(projections):
             key = f"{prefix}.{e}.{proj}.weight"
             if device.type == "meta":
-                files.check(key, (part, cols))
+                check_weight(files, key, (part, cols))
             else:
-                fused[e, j * part:(j + 1) * part] = files.get(key, (part, cols))
+                fused[e, j * part:(j + 1) * part] = read_weight(files, key, (part, cols))
     return fused

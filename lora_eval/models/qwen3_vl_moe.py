@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from . import qwen3
 from .layers import Embedding, Linear, RMSNorm
@@ -167,16 +168,16 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
             transposed = _stored_transposed(files, name, shape)
             disk = (shape[0], shape[2], shape[1]) if transposed else shape
             if device.type == "meta":
-                files.check(name, disk)
+                check_weight(files, name, disk)
                 weights[name] = torch.empty(shape, dtype=dtype, device=device)
             else:
-                t = files.get(name, disk)  # [E, in, out] (published) or [E, out, in]
+                t = read_weight(files, name, disk)  # [E, in, out] (published) or [E, out, in]
                 weights[name] = (t.transpose(1, 2) if transposed else t).to(device=device, dtype=dtype).contiguous()
         elif device.type == "meta":
-            files.check(name, shape)
+            check_weight(files, name, shape)
             weights[name] = torch.empty(shape, dtype=dtype, device=device)
         else:
-            weights[name] = files.get(name, shape).to(device=device, dtype=dtype)
+            weights[name] = read_weight(files, name, shape).to(device=device, dtype=dtype)
     if "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights[f"{PREFIX}.embed_tokens.weight"]
     return weights
