@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import TensorFiles, read_json
+from .checkpoint import TensorFiles, check_finite, read_json
 from .errors import InputError
 from .models import family_and_args
 from .models.layers import Embedding
@@ -55,6 +55,7 @@ class LayerLoader:
         if self.quant is not None:
             files = QuantizedFiles(files, self.quant, self.dtype, self.device)
         weights = self.family.load_weights(model, files, self.dtype, self.device)
+        check_finite(weights, files)  # a NaN / inf named by file and key, as a whole model's load does
         model.load_state_dict(weights, strict=True, assign=True)
         model.inv_freq = model.rope_inv_freq(args.head_dim, args.rope, args.where).to(self.device)
         feed = Given()

@@ -26,7 +26,7 @@ from .distributed import Ranks, together
 from .engine import DTYPES, EngineOptions
 from .errors import InputError
 from .inputs import adapter_names, model_config
-from .models import load_model
+from .models import check_loaded_weights, load_model
 from .models.layers import interleave_gate_up
 from .prompts import read_prompts
 from .references import read_reference, reference_bytes
@@ -96,6 +96,7 @@ def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, opti
             if model is None:
                 model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[options.dtype])
                 model = model.to(options.device).eval()
+                check_loaded_weights(model_dir, dict(model.named_parameters()))  # a NaN / inf named by file and key
             adapter = None if name is None else parsed[name]
             if adapter is None:
                 runner = model
