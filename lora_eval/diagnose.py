@@ -97,7 +97,8 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     phases = Phases()
     options = (options or EngineOptions()).resolved()
     if options.expert_parallel or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise InputError("WORLD_SIZE", "diagnose runs in one process: run it without torchrun or expert parallel")
+        raise InputError("WORLD_SIZE", "diagnose runs in one process: run it without lora-eval launch (or torchrun) "
+                         "and expert parallel")
     adapters = adapter_names(adapters)
     samples = positive_int(samples, "--samples")
     batch_tokens = positive_int(batch_tokens, "--batch-tokens")

@@ -85,8 +85,8 @@ class EngineOptions:
             raise InputError("--batch-invariant", "is not supported with --expert-parallel (the experts' sums are "
                              "combined across ranks in an order that follows the batch)")
         if self.expert_parallel and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-            raise InputError("--expert-parallel", "spreads the experts over the processes of a torchrun job: run it "
-                             "under torchrun with 2 or more processes")
+            raise InputError("--expert-parallel", "spreads the experts over the processes of a job: run it under "
+                             "lora-eval launch --nproc-per-node 2 or more")
         return replace(self, device=device, dtype=dtype)
 
     def record(self) -> dict:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from lora_eval.cli import cli
 from lora_eval.errors import InputError
 from lora_eval.models import load_model
+from lora_eval.plan import plan
 from tests.builders import save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
 from tests.conftest import MOE_OVERRIDES
@@ -401,11 +402,15 @@ def test_an_mxfp4_scale_out_of_range_is_refused(tmp_path, seed):
     assert "quantization scales out of range" in e.value.problem
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "0"])  # (click refuses a negative one)
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
 def test_plan_gpu_memory_must_be_a_finite_positive_number(good, tmp_path, value):
+    """NaN 'did not fit' and inf 'fit' every model: refused by the command line as it parses, and by plan() itself
+    (the Python API)."""
     assert run("plan", good, tmp_path, None, None, "--gpu-memory", "80").exit_code == 0
-    assert_input_error(run("plan", good, tmp_path, None, None, "--gpu-memory", value), "--gpu-memory: ",
-                       "expected a finite number of GB > 0")
+    assert_input_error(run("plan", good, tmp_path, None, None, "--gpu-memory", value), "'--gpu-memory'",
+                       f"expected a finite number > 0, got '{value}'")
+    with pytest.raises(InputError, match="--gpu-memory: expected a finite number of GB > 0"):
+        plan(good.model, {}, gpu_memory_gb=float(value))
 
 
 def test_a_tokenizer_file_that_cannot_be_read_is_named(good, tmp_path):

@@ -150,7 +150,7 @@ def test_expert_parallel_over_two_gpus_matches_one_gpu(demo, tmp_path):
 
 def test_expert_parallel_needs_torchrun(demo, tmp_path):
     assert_input_error(CliRunner().invoke(cli, [*map(str, demo_compare(demo, tmp_path / "run")), "--expert-parallel"]),
-                       "--expert-parallel", "torchrun with 2 or more processes")
+                       "--expert-parallel", "lora-eval launch --nproc-per-node 2 or more")
 
 
 def test_each_rank_holds_only_its_experts(tmp_path, seed):
