@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -239,6 +240,24 @@ def test_launch_keeps_the_exit_codes_of_one_process(demo, tmp_path):
                                               demo / "reference.parquet", "--out", tmp_path / "why"]))
     assert (code, stdout) == (2, "") and stderr.splitlines() == [
         "error: Invalid value for 'COMMAND': 'diagnose' is not one of 'compare', 'mmlu', 'dump-reference'."], stderr
+
+
+def test_launch_on_two_nodes_equals_one_process(demo, tmp_path):
+    """`lora-eval launch --nnodes 2 --node-rank R --master-addr ... --master-port ...` (torchrun's static rendezvous),
+    the two nodes here one process each on this machine: tables byte-identical to one process, both exit 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "lora_eval", "launch", "--nnodes", "2", "--node-rank", str(rank),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               *map(str, demo_compare(demo, out))], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (1, 0)]
+    results = [finish(node) for node in nodes]
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert results[1][1].count("PASS") == 4 and results[0][1] == ""  # node 0's rank 0 alone prints the summary
+    assert tables(out) == tables(demo / "report") and len(record(out)["work"]["ranks"]) == 2
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
