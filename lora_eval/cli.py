@@ -153,6 +153,16 @@ class Main(click.Group):
     other failure into one line and exit code 3 (never 1, which means "a threshold was crossed");
     LORA_EVAL_DEBUG=1 shows the traceback instead. Of a multi-process job, one rank says why (distributed.py)."""
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        """The group's own options (`lora-eval --bad`) refused in one line too (Click writes three)."""
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `lora-eval` alone: the help, as Click gives it
+                raise
+            click.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(EXIT_INPUT)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -163,8 +173,8 @@ class Main(click.Group):
             sys.exit(EXIT_INPUT)
         except (Interrupted, KeyboardInterrupt) as e:
             stopped(e)
-        except click.UsageError as e:  # a bad option value: one line, like every other refusal
-            click.echo(f"error: {e.format_message()}", err=True)
+        except click.UsageError as e:  # a bad option value: one line, like every other refusal (Click lists the
+            click.echo(f"error: {' '.join(e.format_message().split())}", err=True)  # choices one a line)
             sys.exit(EXIT_INPUT)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise

@@ -182,6 +182,19 @@ def _check_record(record: list[str], path: Path, start: int) -> None:
         if not value.strip():
             raise InputError(path, f"the {name} is empty, expected text in each of the {len(CSV_COLUMNS)} fields "
                              f"({', '.join(CSV_COLUMNS)})", key=f"line {start}")
+        _check_text(value, name, path, f"line {start}")
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # control characters other than tab and line ends
+
+
+def _check_text(value: str, name: str, where: Path, key: str) -> None:
+    """A field is text: a control character (a NUL byte from a binary file or a broken export) is refused; no field
+    of the release holds one."""
+    bad = CONTROL.search(value)
+    if bad:
+        raise InputError(where, f"the {name} holds the control character U+{ord(bad.group()):04X} at offset "
+                         f"{bad.start()}: expected text", key=key)
 
 
 def _read_parquet(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame]]:
@@ -276,6 +289,7 @@ def _checked(frame: pd.DataFrame, where: Path, keys: list[str] | None = None) ->
         for name, value in zip(names, values):
             if not isinstance(value, str) or not value.strip():
                 raise InputError(where, f"{name} must be a non-empty string, found {value!r}", key=key)
+            _check_text(value, name, where, key)
         if values[-1] not in LETTERS:
             raise InputError(where, f"answer must be one of {', '.join(LETTERS)}, found {values[-1]!r}", key=key)
     return frame.assign(file=str(where), row=np.arange(len(frame)), key=keys)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -370,12 +371,18 @@ def test_scaling_that_overflows_float32_refused(art, tmp_path):
 # ---- 3. messages ------------------------------------------------------------------------------------------------
 
 
-def test_pickled_bin_refused_without_advice_to_unpickle(art, tmp_path):
+@pytest.mark.parametrize("protocol", [2, 4])  # (with 4, torch warns about the protocol on its way to refusing)
+def test_pickled_bin_refused_without_advice_to_unpickle(art, tmp_path, protocol):
     bad = copy_of(art.dense, tmp_path / "bad")
     tensors = load_file(str(bad / "adapter_model.safetensors"))
-    torch.save({**tensors, "hook": print}, bad / "adapter_model.bin")  # a global: weights_only refuses it
+    torch.save({**tensors, "hook": print}, bad / "adapter_model.bin",  # a global: weights_only refuses it
+               pickle_protocol=protocol)
     (bad / "adapter_model.safetensors").unlink()
-    for result in (inspect(art, bad), compare(art, bad, tmp_path / "run")):
+    with warnings.catch_warnings(record=True) as seen:  # (pytest takes warnings off stderr: recorded here)
+        warnings.simplefilter("always")
+        results = (inspect(art, bad), compare(art, bad, tmp_path / "run"))
+    assert not seen, [str(w.message) for w in seen]  # a warning is a second line on stderr
+    for result in results:
         line = assert_input_error(result, str(bad / "adapter_model.bin"), "not a plain tensor file",
                                   "never unpickles")
         assert "weights_only" not in line and "False" not in line

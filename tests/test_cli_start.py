@@ -37,6 +37,9 @@ BAD_USAGE = {  # command line -> the one line it must answer
               "error: Invalid value for '--rank': 0 is not in the range x>=1."),
     "launch": (["launch", "--nproc-per-node", "2", "compare", "--model", "m", "--reference", "r", "--out", "o",
                 "--max-k2", "inf"], "error: Invalid value for '--max-k2': expected a finite number >= 0, got 'inf'"),
+    "group option": (["--badflag"], "error: No such option '--badflag'."),
+    "launch nothing": (["launch", "--nproc-per-node", "2"],
+                       "error: Missing argument 'COMMAND'. Choose from: compare, mmlu, dump-reference"),
     "launch-plan": (["launch", "plan", "--model", "m"],
                     "error: Invalid value for 'COMMAND': 'plan' is not one of 'compare', 'mmlu', 'dump-reference'."),
 }

@@ -138,6 +138,20 @@ def test_an_empty_field_is_refused(data, field, value):
     assert_input_error(run_cli(*mmlu_args(root, "--shots", 0)), f"{path}: line {starts[r]}: the {name} is empty")
 
 
+@pytest.mark.parametrize("field,char", [(0, "\x00"), (3, "\x1b"), (0, "\x7f")])
+def test_a_control_character_is_refused(data, field, char):
+    """A NUL byte (a binary file, a broken export) was read as part of a question."""
+    root, rng, rows = data
+    r = int(rng.integers(0, len(rows)))
+    at = int(rng.integers(0, len(rows[r][field]) + 1))
+    rows[r][field] = rows[r][field][:at] + char + rows[r][field][at:]
+    path = root / "test" / f"{SUBJECT}_test.csv"
+    starts = write_rows(path, rows)
+    name = ["question", *LETTERS, "answer"][field]
+    assert_input_error(run_cli(*mmlu_args(root, "--shots", 0)), f"{path}: line {starts[r]}: the {name} holds the "
+                       f"control character U+{ord(char):04X} at offset {at}")
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda row: row[:5], "5 fields, expected 6 (question, A, B, C, D, answer)"),
     (lambda row: row + ["extra"], "7 fields, expected 6"),

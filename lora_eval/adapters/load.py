@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
     """A `.bin` state dict read with torch's weights_only unpickler; anything else refused without torch's advice
     (which suggests weights_only=False: we never unpickle untrusted files)."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (torch warns about pickle protocols on its way to refusing: one line only)
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise InputError(path, "refused: not a plain tensor file (it pickles Python objects other than tensors, and "
                          "lora-eval never unpickles untrusted files); save the adapter as adapter_model.safetensors") \
