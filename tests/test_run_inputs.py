@@ -570,9 +570,9 @@ def test_logprobs_that_overflow_are_refused_naming_the_adapter(art, tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(sample_id="p1", adapter="peft", input_ids=x) for x in
                                                          random_sequences(1, VOCAB, seed=art["seed"], min_len=5)])
     common = ["--model", model, "--adapter", f"peft={big}", "--quiet", "--device", "cpu"]
-    for command, sample in [(["compare", "--reference", ref], "for sample "),
-                            (["mmlu", "--data", data, "--shots", "0"], "for global_facts question "),
-                            (["diagnose", "--reference", ref], "for sample "),
+    for command, sample in [(["compare", "--reference", ref, "--batch-tokens", "512"], "for sample "),
+                            (["mmlu", "--data", data, "--shots", "0", "--batch-tokens", "512"], "for global_facts question "),
+                            (["diagnose", "--reference", ref, "--batch-tokens", "512"], "for sample "),
                             (["dump-reference", "--prompts", prompts], "for prompt p1")]:
         out = tmp_path / ("out.parquet" if command[0] == "dump-reference" else "out")
         assert_input_error(run_cli(*command, *common, "--out", out), f"error: {big}: ", "non-finite logprob",
@@ -605,14 +605,15 @@ def test_pt_references_only_in_the_documented_forms(art, tmp_path, no_model):
     tokens (exit 1). Anything but a 1-D or 2-D tensor, a list of 1-D tensors or of per-sample lists is refused,
     naming the file and key (and the row, or the sample of a list of dicts)."""
     rng = np.random.default_rng(art["seed"] + 25)
-    ids = [torch.tensor(x) for x in random_sequences(3, VOCAB, seed=art["seed"] + 25, min_len=5, max_len=9)]
+    cut = rng.permutation([5, 7, 9])  # lengths: one row unpadded, two padded
+    ids = [torch.tensor(x[:n]) for x, n in zip(random_sequences(3, VOCAB, seed=art["seed"] + 25, min_len=9), cut)]
     lps = [-torch.tensor(rng.uniform(0.1, 5, len(x) - 1), dtype=torch.float32) for x in ids]
     longest = max(len(x) for x in ids)
     padded_ids = torch.full((3, longest), -1, dtype=torch.long)
     padded_lps = torch.zeros(3, longest - 1)
     for i, (x, lp) in enumerate(zip(ids, lps)):
         padded_ids[i, :len(x)], padded_lps[i, :len(lp)] = x, lp
-    short = min(range(3), key=lambda i: len(ids[i]))
+    short = next(i for i in range(3) if len(ids[i]) < longest)  # the first padded row
     cases = [
         (dict(tokens=int(ids[0][0]), training_logprobs=lps[0]), "tokens must be a tensor or a list, found int"),
         (dict(tokens=padded_ids, training_logprobs=padded_lps), f"tokens row {short} holds a negative token id: "
