@@ -571,7 +571,8 @@ def test_logprobs_that_overflow_are_refused_naming_the_adapter(art, tmp_path):
                                                          random_sequences(1, VOCAB, seed=art["seed"], min_len=5)])
     common = ["--model", model, "--adapter", f"peft={big}", "--quiet", "--device", "cpu"]
     for command, sample in [(["compare", "--reference", ref, "--batch-tokens", "512"], "for sample "),
-                            (["mmlu", "--data", data, "--shots", "0", "--batch-tokens", "512"], "for global_facts question "),
+                            (["mmlu", "--data", data, "--shots", "0", "--batch-tokens", "512"],
+                             "for global_facts question "),
                             (["diagnose", "--reference", ref, "--batch-tokens", "512"], "for sample "),
                             (["dump-reference", "--prompts", prompts], "for prompt p1")]:
         out = tmp_path / ("out.parquet" if command[0] == "dump-reference" else "out")
