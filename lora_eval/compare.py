@@ -29,7 +29,7 @@ import torch
 from .adapters import Adapter
 from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
-from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
+from .engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
@@ -90,9 +90,6 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
                 digests = InputDigests(model, adapters, reference_inputs(references))  # (result() below)
                 lengths = [len(ids) for ids in refs["input_ids"]]
                 use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
-                if options.prefix_cache and options.expert_parallel:
-                    notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every "
-                           "forward); full samples run")
                 prefix, group = sample_prefixes(refs) if use_prefixes else ([0] * len(refs), [0] * len(refs))
                 suffix = [n - p for n, p in zip(lengths, prefix)]  # tokens a row runs itself
             with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
@@ -129,6 +126,10 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             return read_run(out)
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
+        # said once every input (the weights too) is checked: an input error stays the only line on stderr
+        if options.prefix_cache and options.expert_parallel:
+            notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
+                   "full samples run")
         engine.expect([(len(b), max(lengths[i] for i in b), u < len(batches) and any(isinstance(a, str) for a in
                        refs["adapter"].iloc[b])) for u, b in enumerate(units) if not any(prefix[i] for i in b)])
         compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
@@ -146,6 +147,12 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
 
             def finish(u, started):
                 logprobs, computed = started[0].get(), started[1]
+                bad = first_non_finite(logprobs)
+                if bad is not None:  # (k2 and the gates would be computed from NaN)
+                    i = units[u][bad]
+                    adapter = refs["adapter"].iloc[i] if u < len(batches) else None
+                    raise overflow_error(model, adapters, adapter if isinstance(adapter, str) else None,
+                                         f"sample {refs['sample_id'].iloc[i]}", options.dtype)
                 return pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs],
                                          tokens_computed=np.asarray([computed] + [0] * (len(units[u]) - 1),
                                                                     dtype=np.int64)))  # the unit's, on its first row

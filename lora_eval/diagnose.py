@@ -61,7 +61,8 @@ from .adapters import AdapterStack
 from .adapters.targets import layer_of
 from .batching import make_batches
 from .diagnose_report import diagnose_report_files
-from .engine import DTYPES, Batch, Engine, EngineOptions, current_device, read_adapters
+from .engine import (DTYPES, Batch, Engine, EngineOptions, current_device, first_non_finite, overflow_error,
+                     read_adapters)
 from .errors import EXIT_PASS, InputError
 from .forward import Forward
 from .inputs import adapter_names, model_config, positive_int
@@ -157,6 +158,10 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
                     rows = refs.iloc[batches[b]]
                     logprobs = sides.a.logprobs(Batch(list(rows["input_ids"]),
                                                       [_adapter(t) for t in rows["adapter"]]))
+                    bad = first_non_finite(logprobs)
+                    if bad is not None:  # (k2 would pick the samples from NaN)
+                        raise overflow_error(model, adapters, _adapter(rows["adapter"].iloc[bad]),
+                                             f"sample {rows['sample_id'].iloc[bad]}", options.dtype)
                     work.record(b, _k2_rows(rows, batches[b], logprobs))
             chosen = _choose({u: work.done[u] for u in k2_units}, tags, order, samples)
             with phases("compare"), current_device(options.device):  # (these run the models' layers directly)

@@ -396,6 +396,28 @@ class Engine:
         return self.adapter_names.index(name)
 
 
+def first_non_finite(rows) -> int | None:
+    """The first row (of a list of tensors, or of a tensor's first dimension) holding a NaN or an infinity; None when
+    every value is finite. One reduction over the whole batch; the rows are looked at one by one only on a failure."""
+    whole = torch.cat([r.reshape(-1) for r in rows]) if isinstance(rows, (list, tuple)) else rows
+    if bool(torch.isfinite(whole).all()):
+        return None
+    return next(i for i, r in enumerate(rows) if not bool(torch.isfinite(r).all()))
+
+
+def overflow_error(model_dir, adapters: dict, adapter: str | None, sample: str, dtype: str,
+                   computed_by: str = "the engine") -> InputError:
+    """The one refusal of a non-finite logprob (compare, mmlu, diagnose, dump-reference), naming the adapter's folder
+    (or the model's under the base model) and the sample. The weights and adapter factors were checked finite on
+    load, so finite numbers overflowed on the way (a huge lora_alpha or factor, or a dtype too narrow for the model):
+    a result computed from them would be a silent wrong answer."""
+    under = f"adapter '{adapter}'" if adapter else "the base model"
+    where = adapters[adapter] if adapter in adapters else model_dir
+    return InputError(where, f"{computed_by} computed a non-finite logprob for {sample} under {under} in {dtype}: "
+                      f"{'the adapter or the model' if adapter else 'the model'} overflows in the compute dtype "
+                      "(its weights are finite; check the adapter's scale and factors, or the model's dtype)")
+
+
 class HostResult:
     """A result on its way from the device to the host: the copy is queued behind the kernels that make it, into
     pinned memory, and `get()` waits for that copy alone — later batches may already be queued or running — and

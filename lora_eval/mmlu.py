@@ -24,7 +24,7 @@ import pandas as pd
 
 from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
-from .engine import DTYPES, Batch, Engine, EngineOptions, read_adapters
+from .engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from .errors import InputError
 from .inputs import adapter_names, model_config, positive_int, threshold
 from .mmlu_data import LETTERS, check_shots, read_split, select
@@ -153,9 +153,6 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
             models = [BASE, *adapters]
             tags = [None, *adapters]
             use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
-            if options.prefix_cache and options.expert_parallel:
-                notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every "
-                       "forward); full prompts run")
             task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
                                 max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
                                 engine="given" if engine is not None else "loaded")
@@ -192,6 +189,10 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 batches = make_batches(lengths, batch_tokens)
         with phases("load"):
             engine = engine or Engine.load(model, parsed, options)
+        # said once every input (the weights too) is checked: an input error stays the only line on stderr
+        if options.prefix_cache and options.expert_parallel:
+            notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
+                   "full prompts run")
 
         compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
         with phases("forward"), folder.work([len(b) for b in batches], "mmlu", "rows", quiet,
@@ -207,7 +208,14 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                 return scores, engine.tokens_computed - before
 
             def finish(b, started):
-                scores, computed = started[0].get().numpy(), started[1]
+                scores, computed = started[0].get(), started[1]
+                bad = first_non_finite(scores)
+                if bad is not None:  # (accuracy would be computed from NaN)
+                    row = batches[b][bad]
+                    q = questions.iloc[row // len(tags)]
+                    raise overflow_error(model, adapters, rows_tags[row],
+                                         f"{q['subject']} question {q['question_index']}", options.dtype)
+                scores = scores.numpy()
                 return pd.DataFrame({"row": batches[b], **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
                                      "tokens_computed": np.asarray([computed] + [0] * (len(batches[b]) - 1),
                                                                    dtype=np.int64)})  # the unit's, on its first row

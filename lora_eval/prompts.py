@@ -5,8 +5,10 @@ model's tokenizer; the mask then covers the response tokens only); optional `sam
 default: the object's number, from 1), `mask` (len(input_ids) - 1 booleans, with `input_ids` or `text`) and
 `adapter`: an adapter name, or null (or "base") for the base model. A prompt without an `adapter` field runs under
 the default adapter: `--default-adapter NAME`, else the only `--adapter` given, else the base model; with several
-adapters and no default, such a prompt is refused. Other fields are ignored. A prompt and response without a response
-token, or a file whose masks leave no token to score, is refused here too, before the model loads.
+adapters and no default, such a prompt is refused. A line giving more than one of `input_ids`, `text` and `prompt`
+(or a `response` without `prompt`) is refused: which would be the sample is never guessed. Other fields are ignored.
+A prompt and response without a response token, or a file whose masks leave no token to score, is refused here too,
+before the model loads.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def read_prompts(path: str | Path, model_dir: str | Path, adapters: dict, vocab_
         def bad(problem):
             return InputError(path, problem, key=where)
 
+        given = [name for name in ("input_ids", "text", "prompt") if name in item]
+        if len(given) > 1:  # (which one would be the sample? never guessed)
+            raise bad(f"gives both {given[0]} and {given[1]}: a prompt is 'input_ids', 'text', or 'prompt' and "
+                      "'response', exactly one of them")
+        if "response" in item and "prompt" not in item:
+            raise bad(f"gives a response without a prompt (with {given[0] if given else 'nothing else'}): a response "
+                      "goes with 'prompt' only")
         mask = item.get("mask")
         if "input_ids" in item:
             ids = item["input_ids"]

@@ -84,8 +84,11 @@ def _read_pt(path: Path) -> pd.DataFrame:
         if not isinstance(item, dict) or "tokens" not in item or "training_logprobs" not in item:
             raise InputError(path, "expected a dict (or list of dicts) with 'tokens' and 'training_logprobs'",
                              key=f"sample {i}")
-        tokens, train = _rows(item["tokens"]), _rows(item["training_logprobs"])
-        sampler = _rows(item["sampling_logprobs"]) if item.get("sampling_logprobs") is not None else None
+        where = f"sample {i}" if isinstance(data, list) else None
+        tokens = _rows(item["tokens"], "tokens", path, where)
+        train = _rows(item["training_logprobs"], "training_logprobs", path, where)
+        sampler = _rows(item["sampling_logprobs"], "sampling_logprobs", path, where) \
+            if item.get("sampling_logprobs") is not None else None
         if len(tokens) != len(train) or (sampler is not None and len(sampler) != len(tokens)):
             raise InputError(path, f"{len(tokens)} token rows but {len(train)} training_logprobs rows"
                              + (f" and {len(sampler)} sampling_logprobs rows" if sampler is not None else ""))
@@ -95,14 +98,56 @@ def _read_pt(path: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _rows(value) -> list[list]:
-    """Per-sample lists from a 1D/2D tensor, a list of 1D tensors, or (nested) lists."""
+def _rows(value, key: str, path: Path, where: str | None) -> list[list]:
+    """Per-sample lists from one of the documented forms (references/README.md): a 1D tensor (one sample), a 2D
+    tensor (samples x positions, all of one length: no padding), or a list of 1D tensors or of per-sample lists (a
+    flat list of numbers: one sample). Anything else is refused naming the key (and the dict of a list of dicts);
+    the values themselves are checked by `validate`."""
+    def bad(problem):
+        return InputError(path, f"{key} {problem}", key=where)
+
     if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
-    if value and not isinstance(value[0], (list, tuple)):
-        value = [value]
-    return [list(v) for v in value]
+        if value.dim() not in (1, 2):
+            raise bad(f"is a {value.dim()}-D tensor; expected a 1-D (one sample) or 2-D (samples x positions) tensor")
+        if value.numel() == 0:
+            raise bad(f"is an empty tensor (shape {list(value.shape)})")
+        if value.dim() == 2:
+            _refuse_padding(value, key, bad)
+        return [value.tolist()] if value.dim() == 1 else value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise bad(f"must be a tensor or a list, found {type(value).__name__} {str(value)[:40]}")
+    if not value:
+        raise bad("is empty (no sample)")
+    sequences = [isinstance(v, (torch.Tensor, list, tuple)) for v in value]
+    if not any(sequences):
+        return [list(value)]  # a flat list: one sample
+    if not all(sequences):
+        j = sequences.index(False)
+        raise bad(f"mixes samples (tensors or lists) and single values (row {j}: {type(value[j]).__name__}); "
+                  "expected a list of 1-D tensors or of per-sample lists")
+    rows = []
+    for j, v in enumerate(value):
+        if isinstance(v, torch.Tensor) and v.dim() != 1:
+            raise bad(f"row {j} is a {v.dim()}-D tensor; expected one sample as a 1-D tensor")
+        rows.append(v.tolist() if isinstance(v, torch.Tensor) else list(v))
+    return rows
+
+
+def _refuse_padding(value: torch.Tensor, key: str, bad) -> None:
+    """A 2D tensor holds samples of one length. Serving engines pad ragged samples into one (token id -1, logprob
+    0.0): read as data, the padding would be scored as tokens. A negative token id or a row ending in a logprob of
+    exactly 0.0 (a token of probability 1 as the very last one of a row: what padding looks like, not what a model
+    gives) is refused, pointing at the unpadded form."""
+    if value.is_floating_point():
+        ends = torch.nonzero(value[:, -1] == 0)  # [k, 1]
+        what = "ends with a logprob of exactly 0.0"
+    else:
+        ends = torch.nonzero(value < 0)  # [k, 2]
+        what = "holds a negative token id"
+    if len(ends):
+        raise bad(f"row {int(ends[0, 0])} {what}: padding, as serving engines pad samples of different lengths "
+                  "into one 2-D tensor; lora-eval reads a 2-D tensor as samples of one length only: give the samples "
+                  "as a list of 1-D tensors (one per sample, unpadded)")
 
 
 def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = None) -> pd.DataFrame:

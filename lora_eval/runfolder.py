@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .distributed import PeerFailed, Ranks, assign, held_signals, together
-from .errors import EXIT_INTERNAL, InputError, Interrupted
+from .errors import EXIT_INPUT, EXIT_INTERNAL, InputError, Interrupted
 from .progress import progress
 
 PART_ITEMS = 256
@@ -62,12 +62,16 @@ COMMANDS = ("compare", "mmlu", "diagnose", "dump-reference")  # the `command` of
 
 
 def check_out(out: str | Path | None, option: str = "--out", single_file: bool = False,
-              inputs: dict[str, str | Path | None] | None = None) -> Path | None:
+              inputs: dict[str, str | Path | None] | None = None, run: str | Path | None = None) -> Path | None:
     """`out` as a Path, refused (InputError) unless its parent folder exists and is writable, `out` is not
     something else (a file where a folder goes, or the other way round), and neither `out` nor the lock and working
     folder beside it (OUT.lock, OUT.partial) is, holds or lies inside one of the run's `inputs` (what names it, e.g.
     '--model' -> its path; None entries are skipped): nothing a user gave is written to, --overwrite or not.
-    Writes nothing."""
+    `out` (and OUT.lock, OUT.partial) may not be a symbolic link, even to a folder: the run is made by renaming
+    OUT.partial onto OUT, which would replace the link, not fill its target, and the lock beside a link would not be
+    the lock beside its target (two runs through both would write at once); a fifo, socket or device file is
+    refused as not a file. `run`: the run folder of the same command (--out), which a file written beside it
+    (--junit) may not be, hold or lie inside, nor its lock or working folder. Writes nothing."""
     if out is None:
         return None
     out = Path(out)
@@ -80,11 +84,37 @@ def check_out(out: str | Path | None, option: str = "--out", single_file: bool =
         raise InputError(option, f"{parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(option, f"folder {parent} is not writable")
+    for path in (out, out.with_name(out.name + ".lock"), out.with_name(out.name + ".partial")):
+        if path.is_symlink():
+            raise InputError(option, f"{path} is a symbolic link (to {os.readlink(path)}"
+                             f"{'' if path.exists() else ', which does not exist'}); lora-eval writes its output by "
+                             "renaming onto the path, which would replace the link: give the target path itself")
     if single_file and out.is_dir():
         raise InputError(option, f"{out} is a folder; expected a file name")
     if not single_file and out.exists() and not out.is_dir():
         raise InputError(option, f"{out} exists and is not a folder")
+    if single_file and out.exists() and not out.is_file():
+        raise InputError(option, f"{out} exists and is not a regular file (a fifo, socket or device); choose a file "
+                         "name")
+    lock, staging = out.with_name(out.name + ".lock"), out.with_name(out.name + ".partial")
+    if lock.exists() and not lock.is_file():
+        raise InputError(option, f"{lock} (the run's lock file) exists and is not a regular file; move it away or "
+                         "choose another output")
+    if staging.exists() and not staging.is_dir():
+        raise InputError(option, f"{staging} (the run's working folder) exists and is not a folder; move it away or "
+                         "choose another output")
     written = [Path(os.path.realpath(out.with_name(out.name + suffix))) for suffix in ("", ".lock", ".partial")]
+    if run is not None:  # a file beside the run (--junit) is none of the run's own paths
+        run = Path(run)
+        for suffix, what in (("", "the run folder"), (".lock", "the run's lock file"),
+                             (".partial", "the run's working folder")):
+            theirs = Path(os.path.realpath(run.with_name(run.name + suffix)))
+            for target in written:
+                if target == theirs or theirs in target.parents or target in theirs.parents:
+                    how = "is" if target == theirs else "lies inside" if theirs in target.parents else "holds"
+                    raise InputError(option, f"{target if target != written[0] else out} {how} {what} of this "
+                                     f"run ({run.with_name(run.name + suffix)}, from --out {run}); choose another "
+                                     "path")
     for name, path in (inputs or {}).items():
         if path is None or not str(path):
             continue
@@ -405,7 +435,11 @@ class RunFolder:
     then looks at what `out` holds, once the task has read and checked its inputs: `stored` is the record of a
     complete run of the same fingerprint (nothing to compute), else the run starts or resumes. The working folder
     (OUT.partial) is made only when the work starts (`work`), after the model has loaded: a run refused for its
-    inputs leaves nothing behind, and one that fails before finishing any unit takes back the folder it made.
+    inputs leaves nothing behind, and one that fails before finishing any unit takes back the folder it made. A run
+    refused for its inputs during the work (an InputError, e.g. weights found non-finite as a model loads, or
+    logprobs that overflow) takes back its working folder, finished parts included: the same command would fail the
+    same way, and the corrected one has another fingerprint, which those parts would block (resume is for
+    interrupted and crashed runs, whose parts the same command finishes).
     (Given at construction, `fingerprint` is opened on entering.) `record` (arguments and the like) goes into
     run.json. With data-parallel `ranks` (distributed.py), rank 0 does all of that and tells the others; every rank
     writes parts."""
@@ -418,6 +452,7 @@ class RunFolder:
         self.leads = ranks is None or ranks.leads
         self.stored: dict | None = None
         self._staging_made = False  # whether this run made OUT.partial (see __exit__)
+        self._working = False  # whether this run works in OUT.partial (its fingerprint's: see __exit__)
         if out is not None:
             self.staging = out.with_name(out.name + ".partial")
             self.parts_dir = self.staging / "parts"
@@ -455,8 +490,12 @@ class RunFolder:
     def __exit__(self, kind=None, error=None, traceback=None) -> None:
         if self.out is None or not self.leads:
             return
-        try:  # a failed run that finished no unit takes back the folder it made: nothing to resume, no dead end
-            if error is not None and self._staging_made and not any(self.parts_dir.glob("part-*.parquet")):
+        # a failed run takes back the working folder when it holds nothing to resume: it made it and finished no
+        # unit, or its inputs were refused during the work (here or on another rank), whose parts no command finishes
+        refused = isinstance(error, InputError) or (isinstance(error, PeerFailed) and error.code == EXIT_INPUT)
+        try:
+            if error is not None and ((refused and self._working) or (
+                    self._staging_made and not any(self.parts_dir.glob("part-*.parquet")))):
                 try:
                     status = json.loads((self.staging / "run.json").read_text(encoding="utf-8")).get("status")
                 except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -574,6 +613,7 @@ class RunFolder:
         `lockstep` with the other ranks where their forwards exchange data (expert parallel)."""
         if self.out is not None and self.leads:
             self._ensure_staging()
+            self._working = True
         done = read_parts(self.parts_dir, self.notice) if self.out is not None and self.leads else {}
         mine = None
         if self.ranks is not None:

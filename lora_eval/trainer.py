@@ -23,7 +23,7 @@ import torch
 
 from .adapters import load_adapter
 from .distributed import Ranks, together
-from .engine import DTYPES, EngineOptions
+from .engine import DTYPES, EngineOptions, first_non_finite, overflow_error
 from .errors import InputError
 from .inputs import adapter_names, model_config
 from .models import check_loaded_weights, load_model
@@ -56,7 +56,8 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
                    ranks=ranks) as folder:  # the lock, first
         with together(ranks):  # the prompts and adapters checked before any folder is made or model loaded
             _, args = model_config(model_dir)
-            frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notice)
+            notes = []  # (said once the inputs are checked: an input error stays the only line)
+            frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notes.append)
             shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
             parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
             record = options.record()
@@ -67,6 +68,8 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
         folder.open(fingerprint("dump-reference", files, task_options, versions()), dict(arguments=arguments))
         if folder.stored is not None:
             return read_reference(out)
+        for note in notes:
+            notice(note)
         with quiet_libraries():
             work = _logprobs(model_dir, adapters, parsed, frame, options, folder, quiet)
 
@@ -106,11 +109,9 @@ def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, opti
                 runner = merged_copy(model, adapter)
             for i in todo:
                 lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
-                if not bool(torch.isfinite(lp).all()):  # (else the written file's check would blame the output)
-                    raise InputError(model_dir, f"transformers computed a non-finite logprob for prompt "
-                                     f"{frame.at[i, 'sample_id']} under {name or 'the base model'} in "
-                                     f"{options.dtype}: the model's or the adapter's weights hold non-finite numbers, "
-                                     "or the dtype overflows")
+                if first_non_finite([lp]) is not None:  # (else the written file's check would blame the output)
+                    raise overflow_error(model_dir, adapters, name, f"prompt {frame.at[i, 'sample_id']}",
+                                         options.dtype, computed_by="transformers")
                 work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
             if isinstance(runner, PeftModel):
                 model = runner.unload()  # back to the plain base model for the next adapter

@@ -462,3 +462,212 @@ def test_a_tokenizer_of_another_model_is_blamed_not_the_prompt(art, tmp_path, no
     args = ["dump-reference", "--model", model, "--prompts", prompts, "--out", tmp_path / "ref.parquet", "--quiet"]
     assert_input_error(run_cli(*args), str(model / "config.json"), "vocab_size",
                        f"tokenizer makes token id {VOCAB + 4}", "does not belong to this model")
+
+
+# ---- issue 42, second audit: outputs on the run's own paths or on links, dead ends, overflow, .pt forms --------
+
+
+def compare_cmd(art, out, ref, *extra) -> list:
+    return ["compare", "--model", art["model"], "--adapter", f"peft={art['adapter']}", "--reference", ref,
+            "--out", out, "--quiet", "--device", "cpu", *extra]
+
+
+def test_junit_is_none_of_the_run_folders_paths(art, tmp_path, no_model):
+    """--junit equal to --out exited 3 (IsADirectoryError), leaving OUT and OUT.tmp-NNN; inside OUT, or OUT.lock or
+    OUT.partial, it would be written where the run folder lives. Refused before anything runs, for mmlu too."""
+    ref = write_reference(frame(art["seed"] + 21), tmp_path / "ref.parquet")
+    out = tmp_path / "run"
+    for junit, needle in [(out, "is the run folder of this run"), (out / "junit.xml", "lies inside the run folder"),
+                          (tmp_path / "run.lock", "is the run's lock file"),
+                          (tmp_path / "run.partial", "is the run's working folder")]:
+        for command in (compare_cmd(art, out, ref), mmlu_cmd(art["model"], tmp_path / "data", out)):
+            if junit.parent == out:
+                out.mkdir()
+            assert_input_error(run_cli(*command, "--junit", junit), "--junit", needle)
+            if junit.parent == out:
+                out.rmdir()
+            assert not out.exists() and left_beside(out) == [], left_beside(out)
+
+
+def mmlu_cmd(model, data, out, *extra) -> list:
+    return ["mmlu", "--model", model, "--data", data, "--out", out, "--shots", "0", "--quiet", "--device", "cpu",
+            *extra]
+
+
+def test_outputs_that_are_links_fifos_or_not_ours_are_refused(art, tmp_path, no_model):
+    """A dangling link as --out exited 3 (NotADirectoryError) leaving link.partial. A link is refused whole, naming it
+    and its target: the run is renamed onto OUT (replacing the link, not filling its target) and its lock would lie
+    beside the link, not beside the target. A fifo or device file is no file to write; OUT.lock or OUT.partial of
+    the wrong kind is named, not crashed on."""
+    ref = write_reference(frame(art["seed"] + 22), tmp_path / "ref.parquet")
+    prompts = good_prompts(tmp_path / "prompts.jsonl", art["seed"] + 22)
+    target = tmp_path / "elsewhere"
+    (tmp_path / "folder").mkdir()
+    dangling, linked, dump_link = tmp_path / "dangling", tmp_path / "linked", tmp_path / "dangling.parquet"
+    dangling.symlink_to(target)
+    linked.symlink_to(tmp_path / "folder")
+    dump_link.symlink_to(tmp_path / "elsewhere.parquet")
+    fifo = tmp_path / "fifo.parquet"
+    os.mkfifo(fifo)
+    lock_link = tmp_path / "locked"
+    (tmp_path / "locked.lock").symlink_to(tmp_path / "victim")
+    (tmp_path / "victim").write_text("the user's\n")
+    (tmp_path / "staged.partial").write_text("a file\n")
+    cases = [
+        (compare_cmd(art, dangling, ref), ["--out", f"{dangling} is a symbolic link (to {target}, which does not "
+                                           "exist)"]),
+        (compare_cmd(art, linked, ref), ["--out", f"{linked} is a symbolic link (to {tmp_path / 'folder'})"]),
+        (dump_args(art, prompts, dump_link), ["--out", f"{dump_link} is a symbolic link"]),
+        (compare_cmd(art, tmp_path / "run", ref, "--junit", dangling), ["--junit", "is a symbolic link"]),
+        (compare_cmd(art, tmp_path / "run", ref, "--junit", fifo), ["--junit", "not a regular file"]),
+        (dump_args(art, prompts, fifo), ["--out", "not a regular file"]),
+        (compare_cmd(art, lock_link, ref), ["--out", "locked.lock is a symbolic link"]),
+        (compare_cmd(art, tmp_path / "staged", ref), ["--out", "staged.partial (the run's working folder) exists "
+                                                      "and is not a folder"]),
+    ]
+    for command, needles in cases:
+        assert_input_error(run_cli(*command), *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ref.parquet", "prompts.jsonl", "folder", "dangling", "linked", "dangling.parquet", "fifo.parquet",
+         "locked.lock", "victim", "staged.partial"])
+    assert not any((tmp_path / "folder").iterdir()) and (tmp_path / "victim").read_text() == "the user's\n"
+
+
+def overflowing_adapter(art, folder: Path) -> Path:
+    """The test adapter with a finite lora_alpha so large that its deltas overflow float32."""
+    shutil.copytree(art["adapter"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["lora_alpha"] = float(np.random.default_rng(art["seed"]).uniform(1, 9)) * 1e30
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def line_tokenizer_model(art, folder: Path) -> Path:
+    """The test model with a tokenizer MMLU can use: a line a token, ' A'..' D' after 'Answer:' one token each."""
+    from tests.test_mmlu import line_tokenizer
+
+    shutil.copytree(art["model"], folder)
+    line_tokenizer(folder)
+    return folder
+
+
+def write_mmlu(root: Path, rng) -> Path:
+    (root / "test").mkdir(parents=True)
+    rows = [[f"question {rng.integers(1000)} {i}", *(f"choice {rng.integers(100)}" for _ in range(4)),
+             str(rng.choice(list("ABCD")))] for i in range(6)]
+    (root / "test" / "global_facts_test.csv").write_text("".join(",".join(r) + "\n" for r in rows))
+    return root
+
+
+def test_logprobs_that_overflow_are_refused_naming_the_adapter(art, tmp_path):
+    """A finite adapter whose numbers overflow in the compute dtype (lora_alpha 1e30 in float32): compare exited 1
+    blaming k2 (and the gate on NaN), mmlu 0, diagnose picked its samples from NaN. Each exits 2 with one line naming
+    the adapter's folder, a sample and the overflow, as dump-reference does, and leaves nothing."""
+    big = overflowing_adapter(art, tmp_path / "big")
+    model = line_tokenizer_model(art, tmp_path / "model")
+    ref = write_reference(frame(art["seed"] + 23).assign(adapter="peft"), tmp_path / "ref.parquet")
+    data = write_mmlu(tmp_path / "data", np.random.default_rng(art["seed"]))
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(sample_id="p1", adapter="peft", input_ids=x) for x in
+                                                         random_sequences(1, VOCAB, seed=art["seed"], min_len=5)])
+    common = ["--model", model, "--adapter", f"peft={big}", "--quiet", "--device", "cpu"]
+    for command, sample in [(["compare", "--reference", ref, "--batch-tokens", "512"], "for sample "),
+                            (["mmlu", "--data", data, "--shots", "0", "--batch-tokens", "512"],
+                             "for global_facts question "),
+                            (["diagnose", "--reference", ref, "--batch-tokens", "512"], "for sample "),
+                            (["dump-reference", "--prompts", prompts], "for prompt p1")]:
+        out = tmp_path / ("out.parquet" if command[0] == "dump-reference" else "out")
+        assert_input_error(run_cli(*command, *common, "--out", out), f"error: {big}: ", "non-finite logprob",
+                           sample, "under adapter 'peft' in float32", "overflows in the compute dtype")
+        assert not out.exists() and left_beside(out) == [], (command[0], left_beside(out))
+
+
+def test_diagnose_against_a_nan_model_leaves_no_dead_end(art, tmp_path):
+    """--against-model with a NaN weight is found as side B loads, after the k2 pass finished units: OUT.partial was
+    left, and the corrected command (another fingerprint) was refused by it. A run refused for its inputs takes back
+    its working folder, parts included."""
+    bad = tmp_path / "against"
+    shutil.copytree(art["model"], bad)
+    rng = np.random.default_rng(art["seed"] + 24)
+    for path in bad.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        name = sorted(k for k in tensors if k.endswith("mlp.gate.weight"))[-1]
+        tensors[name].view(-1)[int(rng.integers(tensors[name].numel()))] = float("nan")
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    ref = write_reference(frame(art["seed"] + 24).assign(adapter="peft"), tmp_path / "ref.parquet")
+    out = tmp_path / "out"
+    args = ["diagnose", "--model", art["model"], "--adapter", f"peft={art['adapter']}", "--reference", ref,
+            "--out", out, "--quiet", "--device", "cpu", "--samples", "1"]
+    assert_input_error(run_cli(*args, "--against-model", bad), str(bad), name, "must be finite")
+    assert not out.exists() and left_beside(out) == []
+
+
+def test_pt_references_only_in_the_documented_forms(art, tmp_path, no_model):
+    """tokens an int exited 3 (TypeError); 2-D tensors padded to one length (token id -1, logprob 0.0) were scored as
+    tokens (exit 1). Anything but a 1-D or 2-D tensor, a list of 1-D tensors or of per-sample lists is refused,
+    naming the file and key (and the row, or the sample of a list of dicts)."""
+    rng = np.random.default_rng(art["seed"] + 25)
+    cut = rng.permutation([5, 7, 9])  # lengths: one row unpadded, two padded
+    ids = [torch.tensor(x[:n]) for x, n in zip(random_sequences(3, VOCAB, seed=art["seed"] + 25, min_len=9), cut)]
+    lps = [-torch.tensor(rng.uniform(0.1, 5, len(x) - 1), dtype=torch.float32) for x in ids]
+    longest = max(len(x) for x in ids)
+    padded_ids = torch.full((3, longest), -1, dtype=torch.long)
+    padded_lps = torch.zeros(3, longest - 1)
+    for i, (x, lp) in enumerate(zip(ids, lps)):
+        padded_ids[i, :len(x)], padded_lps[i, :len(lp)] = x, lp
+    short = next(i for i in range(3) if len(ids[i]) < longest)  # the first padded row
+    cases = [
+        (dict(tokens=int(ids[0][0]), training_logprobs=lps[0]), "tokens must be a tensor or a list, found int"),
+        (dict(tokens=padded_ids, training_logprobs=padded_lps), f"tokens row {short} holds a negative token id: "
+                                                                "padding"),
+        (dict(tokens=padded_ids.clamp(min=0), training_logprobs=padded_lps),
+         f"training_logprobs row {short} ends with a logprob of exactly 0.0: padding"),
+        (dict(tokens=padded_ids[None], training_logprobs=padded_lps), "tokens is a 3-D tensor"),
+        (dict(tokens=[ids[0], 3], training_logprobs=lps[:2]), "tokens mixes samples"),
+        (dict(tokens=[], training_logprobs=[]), "tokens is empty"),
+        (dict(tokens=None, training_logprobs=lps), "tokens must be a tensor or a list, found NoneType"),
+        (dict(tokens=ids, training_logprobs={"a": lps[0]}), "training_logprobs must be a tensor or a list, found dict"),
+        ([dict(tokens=ids[0], training_logprobs=lps[0]), dict(tokens="abc", training_logprobs=lps[1])],
+         "sample 1: tokens must be a tensor or a list, found str"),
+        (dict(tokens=[x.float() for x in ids], training_logprobs=lps), "input_ids must hold integer token ids"),
+        (dict(tokens=[x.bool() for x in ids], training_logprobs=lps), "input_ids must hold integer token ids"),
+        (dict(tokens=[[*x.tolist()[:-1], None] for x in ids], training_logprobs=lps), "found None"),
+        (dict(tokens=[[*x.tolist()[:-1], 2**70] for x in ids], training_logprobs=lps), f"token id {2**70} is outside"),
+    ]
+    for i, (dump, needle) in enumerate(cases):
+        path = tmp_path / f"dump{i}.pt"
+        torch.save(dump, path)
+        assert_input_error(run_cli(*compare_cmd(art, tmp_path / "run", f"base={path}")), f"error: {path}: ", needle)
+    assert not (tmp_path / "run").exists() and left_beside(tmp_path / "run") == []
+
+
+def test_ambiguous_prompts_are_refused(art, tmp_path, no_model):
+    """A prompt line with both text and prompt (or input_ids and text) silently took one of them."""
+    ids = random_sequences(1, VOCAB, seed=art["seed"] + 26, min_len=5)[0]
+    for extra, needle in [(dict(text="hello world", prompt="what is it", response=" hello"), "both text and prompt"),
+                          (dict(input_ids=ids, text="hello world"), "both input_ids and text"),
+                          (dict(input_ids=ids, prompt="what", response=" it"), "both input_ids and prompt"),
+                          (dict(input_ids=ids, response=" it"), "a response without a prompt")]:
+        prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(sample_id="ok", adapter=None, input_ids=ids),
+                                                             dict(adapter=None, **extra)])
+        out = tmp_path / "ref.parquet"
+        assert_input_error(run_cli(*dump_args(art, prompts, out)), f"error: {prompts}: line 2: ", needle)
+        assert not out.exists() and left_beside(out) == []
+
+
+def test_an_input_error_is_the_only_line_under_launch(art, tmp_path):
+    """compare --expert-parallel under lora-eval launch with a truncated adapter printed its notice 'shared prefixes
+    are off' before the error line: notices come only once the inputs are checked."""
+    from tests.test_distributed import finish, torchrun
+
+    bad = tmp_path / "bad"
+    shutil.copytree(art["adapter"], bad)
+    weights = bad / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:int(np.random.default_rng(art["seed"]).integers(1, 7))])
+    ref = write_reference(frame(art["seed"] + 27).assign(adapter="peft"), tmp_path / "ref.parquet")
+    out = tmp_path / "out"
+    code, stdout, stderr = finish(torchrun(2, ["compare", "--model", art["model"], "--adapter", f"peft={bad}",
+                                               "--reference", ref, "--out", out, "--quiet", "--device", "cpu",
+                                               "--expert-parallel"]))
+    assert code == 2 and stdout == "", (code, stdout)
+    assert stderr.splitlines() == [stderr.splitlines()[0]] and stderr.startswith(f"error: {weights}: "), stderr
+    assert not out.exists() and left_beside(out) == []
