@@ -135,12 +135,13 @@ def _rows(value, key: str, path: Path, where: str | None) -> list[list]:
 
 def _refuse_padding(value: torch.Tensor, key: str, bad) -> None:
     """A 2D tensor holds samples of one length. Serving engines pad ragged samples into one (token id -1, logprob
-    0.0): read as data, the padding would be scored as tokens. A negative token id or a row ending in a logprob of
-    exactly 0.0 (a token of probability 1 as the very last one of a row: what padding looks like, not what a model
-    gives) is refused, pointing at the unpadded form."""
+    0.0): read as data, the padding would be scored as tokens. A negative token id, or a row ending in two or more
+    logprobs of exactly 0.0, is refused, pointing at the unpadded form. (One final 0.0 is left alone: a float32
+    log-softmax gives exactly 0.0 for a token of near-certain probability; two such at the very end of a row is what
+    padding looks like.)"""
     if value.is_floating_point():
-        ends = torch.nonzero(value[:, -1] == 0)  # [k, 1]
-        what = "ends with a logprob of exactly 0.0"
+        ends = torch.nonzero((value[:, -2:] == 0).all(dim=1)) if value.shape[1] >= 2 else value.new_zeros(0, 1)
+        what = "ends with logprobs of exactly 0.0"
     else:
         ends = torch.nonzero(value < 0)  # [k, 2]
         what = "holds a negative token id"

@@ -620,7 +620,7 @@ def test_pt_references_only_in_the_documented_forms(art, tmp_path, no_model):
         (dict(tokens=padded_ids, training_logprobs=padded_lps), f"tokens row {short} holds a negative token id: "
                                                                 "padding"),
         (dict(tokens=padded_ids.clamp(min=0), training_logprobs=padded_lps),
-         f"training_logprobs row {short} ends with a logprob of exactly 0.0: padding"),
+         f"training_logprobs row {short} ends with logprobs of exactly 0.0: padding"),
         (dict(tokens=padded_ids[None], training_logprobs=padded_lps), "tokens is a 3-D tensor"),
         (dict(tokens=[ids[0], 3], training_logprobs=lps[:2]), "tokens mixes samples"),
         (dict(tokens=[], training_logprobs=[]), "tokens is empty"),
@@ -638,6 +638,12 @@ def test_pt_references_only_in_the_documented_forms(art, tmp_path, no_model):
         torch.save(dump, path)
         assert_input_error(run_cli(*compare_cmd(art, tmp_path / "run", f"base={path}")), f"error: {path}: ", needle)
     assert not (tmp_path / "run").exists() and left_beside(tmp_path / "run") == []
+    # one final logprob of exactly 0.0 in samples of one length is a model's (float32 gives it), not padding
+    same = torch.stack([x[:5] for x in ids])
+    certain = torch.stack([lp[:4] for lp in lps])
+    certain[:, -1] = 0.0
+    torch.save(dict(tokens=same, training_logprobs=certain), tmp_path / "certain.pt")
+    assert read_reference(tmp_path / "certain.pt", adapter="base")["logprobs"][0][-1] == 0.0
 
 
 def test_ambiguous_prompts_are_refused(art, tmp_path, no_model):
