@@ -113,6 +113,10 @@ class TensorFiles:
             for key, name in weight_map.items():
                 if files._where.get(key) != model_dir / name:
                     raise InputError(model_dir / name, f"index lists this key in {name} but the file lacks it", key=key)
+            for key, path in files._where.items():  # transformers loads only what the index lists
+                if key not in weight_map:
+                    raise InputError(index, f"lacks '{key}', which the listed shard {path.name} holds (transformers "
+                                     "would not load it); is the index out of date?", key="weight_map")
             return files
         single = model_dir / "model.safetensors"
         if not (single.exists() or single.is_symlink()):

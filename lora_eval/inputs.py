@@ -55,6 +55,22 @@ def model_config(model_dir: str | Path) -> tuple[dict, object]:
     return config, args
 
 
+def check_lengths(lengths, sample_ids, max_len: int | None, where) -> None:
+    """Refuse the first sample longer than the model's max_position_embeddings (`max_len`, ModelArgs'; None: the
+    config names none): one line naming `where` (the reference or prompts file), the sample and both lengths.
+    Why refuse rather than compute: the config says the model was trained for at most max_len positions, so a
+    reference of a longer sample cannot come from a trainer that used this config; past it RoPE extrapolates (a
+    yarn or llama3 rope is even defined relative to a pre-training length) and whatever we compute matches nothing
+    the user can trust. `lengths` and `sample_ids`: parallel sequences (token counts, ids)."""
+    if max_len is None:
+        return
+    for length, sample_id in zip(lengths, sample_ids):
+        if int(length) > max_len:
+            raise InputError(where, f"{int(length)} tokens, more than the model's max_position_embeddings "
+                             f"({max_len}, config.json): positions past it are not what the model was trained on",
+                             key=f"sample_id {sample_id}")
+
+
 def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """(line number, JSON object) of every non-empty line; an InputError names the line that is not UTF-8, not JSON
     or not an object. NaN and Infinity (which Python's json writes) parse, for the column checks to refuse by name."""

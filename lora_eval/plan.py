@@ -25,11 +25,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .adapters.config import AdapterConfig
+from .adapters.load import LORA_KEY, PREFIX, _renamed, _renamed_config
+from .adapters.targets import Sites, resolve_targets
 from .checkpoint import TensorFiles, read_json
 from .engine import DTYPES, LOGITS_BUDGET
 from .prefixes import PREFIX_CACHE_BYTES
 from .errors import InputError
-from .models import check_folder_vocab, family_and_args
+from .models import FAMILIES, check_folder_vocab, family_and_args
 from .models.layers import FusedExperts
 from .runners.graphs import BucketPlan
 
@@ -60,17 +63,26 @@ def model_parameters(model_dir: str | Path) -> dict:
     active = rest + (experts * args.top_k // args.num_experts if args.num_experts else 0)
     return dict(model_type=args.model_type, total=experts + rest, experts=experts, replicated=rest, active=active,
                 num_experts=args.num_experts, top_k=args.top_k, moe_layers=len(args.sparse_layers), args=args,
-                moe_intermediate_size=moe_inter)
+                moe_intermediate_size=moe_inter, model=model)
 
 
-def adapter_parameters(adapters: dict[str, str | Path]) -> tuple[int, int]:
+def adapter_parameters(adapters: dict[str, str | Path], model=None) -> tuple[int, int]:
     """(expert factors, other factors) over every adapter, from the safetensors headers (every file error an
-    InputError naming the file, as when the adapter loads)."""
+    InputError naming the file, as when the adapter loads). With `model` (our CausalLM, on the meta device), each
+    adapter_config.json is read and resolved against it as every other command does (AdapterConfig.read,
+    resolve_targets), and the dense LoRA factors' shapes and ranks are checked from the headers
+    (check_adapter_headers)."""
     experts = other = 0
     for folder in adapters.values():
         folder = Path(folder)
         if not folder.is_dir():
             raise InputError(folder, "adapter folder not found")
+        config = None
+        if model is not None:
+            family = FAMILIES.get(model.args.model_type)
+            renames = getattr(family, "ADAPTER_RENAMES", ())
+            config = _renamed_config(AdapterConfig.read(folder), renames)
+            resolve_targets(config, Sites.of(model), outside=getattr(family, "ADAPTER_SKIPPED_MODULES", ()))
         path = folder / "adapter_model.safetensors"
         if not (path.exists() or path.is_symlink()):
             if (folder / "adapter_model.bin").is_file():
@@ -78,6 +90,8 @@ def adapter_parameters(adapters: dict[str, str | Path]) -> tuple[int, int]:
             raise InputError(folder, "adapter weights file missing: expected adapter_model.safetensors (or "
                              "adapter_model.bin)")
         files = TensorFiles([path])
+        if config is not None:
+            check_adapter_headers(files, path, config, model, renames)
         for key in files.keys():
             n = math.prod(files.shape(key))
             if ".experts" in key:
@@ -85,6 +99,29 @@ def adapter_parameters(adapters: dict[str, str | Path]) -> tuple[int, int]:
             else:
                 other += n
     return experts, other
+
+
+def check_adapter_headers(files: TensorFiles, path: Path, config: AdapterConfig, model, renames=()) -> None:
+    """Headers only (no tensor read): every tensor floating point, and each dense LoRA pair A [r, in], B [out, r] of
+    the model's projection, r the rank adapter_config.json gives it: the refusals the load would make first, by file
+    and key. Expert factors (several layouts, told apart by shape) are left to the load."""
+    linear = Sites.of(model).linear
+    for key in files.keys():
+        dtype = files.dtype(key)
+        if dtype is None or not dtype.is_floating_point:
+            found = "a dtype lora-eval does not read" if dtype is None else f"dtype {str(dtype).removeprefix('torch.')}"
+            raise InputError(path, f"{found}, expected a floating-point tensor", key=key)
+        m = LORA_KEY.match(_renamed(key.removeprefix(PREFIX), renames))
+        if not m or m["module"] not in linear:
+            continue
+        lin, shape = linear[m["module"]], files.shape(key)
+        param = f"{m['module']}.weight"  # targeted through target_parameters: its patterns are keyed so (as the load)
+        as_param = any(param == t or param.endswith(f".{t}") for t in config.target_parameters)
+        r = config.rank_and_scaling(param if as_param else m["module"])[0]
+        want = (r, lin.in_features) if m["ab"] == "A" else (lin.out_features, r)
+        if shape != want:
+            raise InputError(path, f"shape {list(shape)}, expected {list(want)} for this model and r={r} in "
+                             "adapter_config.json; was the adapter made for another model?", key=key)
 
 
 def activation_bytes(counts: dict, tokens: int, dtype_bytes: int) -> int:
@@ -112,7 +149,7 @@ def plan(model_dir: str | Path, adapters: dict[str, str | Path] | None = None, *
     counts = model_parameters(model_dir)
     size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
     memory = gpu_memory_gb if gpu_memory_gb is not None else default_gpu_memory_gb()
-    adapter_experts, adapter_other = adapter_parameters(adapters or {})
+    adapter_experts, adapter_other = adapter_parameters(adapters or {}, counts["model"])
     acts = activation_bytes(counts, batch_tokens, size)
     graphs = activation_bytes(counts, min(batch_tokens, BucketPlan().max_tokens), size) if cuda_graphs else 0
     rows = []

@@ -417,3 +417,155 @@ def test_a_tokenizer_file_that_cannot_be_read_is_named(good, tmp_path):
     model = copy(good.model, tmp_path / "model")
     reason = break_file(model / "tokenizer.json", "dangling link")
     assert_input_error(run("mmlu", good, tmp_path, model), f"{model / 'tokenizer.json'}: ", reason)
+
+
+# ---- config.json fields a family reads: each checked, whatever its kind (the second audit) --------------------------
+
+
+def assert_refused(good, tmp_path, model, *needles, commands=("compare", "plan")):
+    for command in commands:
+        assert_input_error(run(command, good, tmp_path / command, model), f"{model / 'config.json'}: ", *needles)
+
+
+ROPE = dict(rope_type="default", rope_theta=1e4)
+
+
+@pytest.mark.parametrize("changes,needles", [
+    (dict(rope_parameters="default"), ["rope_parameters: expected an object of rope parameters", "'default'"]),
+    (dict(rope_parameters=5), ["rope_parameters: expected an object of rope parameters", "found 5"]),
+    (dict(rope_parameters=[["rope_theta", 1e4]]), ["rope_parameters: expected an object", "[['rope_theta'"]),
+    (dict(rope_parameters=None, rope_scaling="x"), ["rope_scaling: expected an object", "'x'"]),
+    (dict(rope_parameters=ROPE, rope_scaling="x"), ["rope_scaling: expected an object", "'x'"]),
+    (dict(rope_parameters=ROPE, rope_scaling=dict(type="linear", factor=0)), ["rope_scaling: rope_parameters",
+                                                                              "and rope_scaling", "disagree"]),
+    (dict(rope_parameters=ROPE, rope_theta="x"), ["rope_theta: 'rope_theta' must be a finite number > 0", "'x'"]),
+    (dict(rope_parameters=dict(rope_type=7)), ["rope_parameters.rope_type: expected a rope type name, found 7"]),
+    (dict(rope_parameters=None, rope_scaling=dict(type="linear", factor=0)), ["rope_scaling: 'factor' must be"]),
+])
+def test_every_rope_field_is_an_object_with_valid_values(good, tmp_path, changes, needles):
+    """Whichever of rope_parameters / rope_scaling transformers would read (rope_scaling first), and the other too:
+    a string or number where an object belongs was exit 3, a list or an ignored rope_scaling silently accepted."""
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, **changes)
+    assert_refused(good, tmp_path, model, *needles)
+
+
+def test_rope_scaling_that_agrees_with_rope_parameters_is_accepted(good, tmp_path):
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4),
+                rope_scaling=dict(type="linear", factor=2.0), rope_theta=1e4)
+    assert run("plan", good, tmp_path, model).exit_code == 0
+
+
+@pytest.mark.parametrize("value", [-1, 1, "4096", 2.5, True, 2**40])
+def test_max_position_embeddings_is_an_integer_of_at_least_2(good, tmp_path, value):
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, max_position_embeddings=value)
+    assert_refused(good, tmp_path, model, "max_position_embeddings: expected an integer >= 2", repr(value),
+                   commands=("compare", "plan", "dump-reference"))
+
+
+def test_samples_longer_than_max_position_embeddings_are_named():
+    from lora_eval.inputs import check_lengths
+
+    check_lengths([3, 8], ["a", "b"], 8, "ref.parquet")
+    check_lengths([10**6], ["a"], None, "ref.parquet")  # the config names none
+    with pytest.raises(InputError) as e:
+        check_lengths([3, 9, 12], ["a", "b", "c"], 8, "ref.parquet")
+    assert str(e.value).startswith("ref.parquet: sample_id b: 9 tokens, more than the model's "
+                                   "max_position_embeddings (8")
+
+
+@pytest.mark.parametrize("changes,needles", [
+    (dict(mlp_only_layers=[99]), ["mlp_only_layers: layer 99 is not one of the model's"]),
+    (dict(mlp_only_layers=[-1]), ["mlp_only_layers: layer -1 is not one of the model's"]),
+    (dict(mlp_only_layers=[True]), ["mlp_only_layers: expected a list of layer indices"]),
+    (dict(mlp_only_layers=5), ["mlp_only_layers: expected a list of layer indices"]),
+    (dict(layer_types=["full_attention"]), ["layer_types: expected a list of", "(num_hidden_layers)"]),
+])
+def test_layer_lists_are_checked_against_num_hidden_layers(good, tmp_path, changes, needles):
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, **changes)
+    assert_refused(good, tmp_path, model, *needles)
+
+
+@pytest.mark.parametrize("key,value", [("norm_topk_prob", "false"), ("tie_word_embeddings", "false"),
+                                       ("attention_bias", "FALSE"), ("use_sliding_window", "false"),
+                                       ("mlp_bias", 0)])
+def test_a_boolean_given_as_a_string_is_refused(good, tmp_path, key, value):
+    """"false" is truthy in Python: it was read as true (norm_topk_prob, tie_word_embeddings), silently."""
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, **{key: value})
+    assert_refused(good, tmp_path, model, f"{key}: expected true or false, a JSON boolean, found {value!r}")
+
+
+@pytest.mark.parametrize("value", [1e308, 1, 2.5])
+def test_rms_norm_eps_must_be_below_1(good, tmp_path, value):
+    """An epsilon >= 1 made every output near uniform: exit 1, blamed on the adapters."""
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, rms_norm_eps=value)
+    assert_refused(good, tmp_path, model, "rms_norm_eps: expected a finite number > 0 and < 1", repr(value))
+
+
+@pytest.mark.parametrize("key,value,bound", [
+    ("hidden_size", 1e30, "1_048_576"), ("num_hidden_layers", 10**12, "10_000"), ("num_local_experts", 2**20, "65_536"),
+    ("vocab_size", 2**30, "16_777_216"), ("num_attention_heads", 2**13, "4_096")])
+def test_sizes_beyond_any_model_are_refused(good, tmp_path, key, value, bound):
+    """hidden_size 1e30 overflowed (exit 3) and num_hidden_layers 10**12 got plan killed for memory."""
+    model = copy(good.model, tmp_path / "model")
+    edit_config(model, **{key: value})
+    assert_refused(good, tmp_path, model, f"{key}: expected an integer >= 1 and <= {bound}")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_family_fields_are_read_checked(family):
+    from lora_eval.models import family_and_args
+    from tests.builders import tiny_deepseek_v3_config, tiny_glm4_moe_config
+
+    make = tiny_deepseek_v3_config if family == "deepseek_v3" else tiny_glm4_moe_config
+    for changes, needle in [(dict(norm_topk_prob="false"), "norm_topk_prob: expected true or false"),
+                            (dict(attention_bias="true"), "attention_bias: expected true or false"),
+                            (dict(first_k_dense_replace=99), "first_k_dense_replace: 99 is more than "
+                                                             "num_hidden_layers"),
+                            (dict(rms_norm_eps=1.0), "rms_norm_eps: expected a finite number > 0 and < 1"),
+                            (dict(rope_scaling="yarn"), "rope_scaling: expected an object")]:
+        with pytest.raises(InputError) as e:
+            family_and_args(dict(make(**changes), model_type=family), "config.json")
+        assert needle in str(e.value), (changes, str(e.value))
+
+
+def test_gpt_oss_yarn_truncate_must_be_a_boolean():
+    from lora_eval.models import family_and_args
+    from tests.builders import tiny_gpt_oss_config
+
+    rope = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate="false",
+                original_max_position_embeddings=64, rope_theta=150000.0)
+    with pytest.raises(InputError, match="rope_parameters.truncate: expected true or false, a JSON boolean"):
+        family_and_args(dict(tiny_gpt_oss_config(rope_parameters=rope), model_type="gpt_oss"), "config.json")
+
+
+def test_an_index_must_list_every_key_of_its_shards(good, tmp_path):
+    """transformers loads only what weight_map lists: a key a shard holds beyond it was used silently."""
+    model = copy(good.sharded, tmp_path / "model")
+    path = model / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shard = index["weight_map"].pop(EXPERT)
+    path.write_text(json.dumps(index))
+    assert_input_error(run("compare", good, tmp_path, model), f"{path}: weight_map: lacks '{EXPERT}', which the "
+                       f"listed shard {shard} holds")
+
+
+@pytest.mark.parametrize("changes,needles", [
+    (dict(r=0), ["adapter_config.json: r: expected a positive integer rank"]),
+    (dict(layers_to_transform=[99], layers_pattern="layers"), ["adapter_config.json"]),
+    (dict(r=4, lora_alpha=8), ["adapter_model.safetensors: ", "lora_A.weight: shape [2, ", "r=4 in adapter_config"]),
+])
+def test_plan_reads_adapters_as_every_command_does(good, tmp_path, changes, needles):
+    """plan exited 0 on an adapter whose adapter_config.json every other command refuses."""
+    adapter = copy(good.adapter, tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(changes)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    line = assert_input_error(run("plan", good, tmp_path / "plan", None, adapter), str(adapter), *needles)
+    assert line == assert_input_error(run("compare", good, tmp_path / "compare", None, adapter)) or \
+        "shape" in line  # compare names the first tensor it reads, which may be another of the same pair

@@ -62,6 +62,8 @@ def _family_args_quantization(config: dict, where):
                                f"{', '.join(sorted(FAMILIES))}", key="model_type")
     family = FAMILIES[model_type]
     args = family.ModelArgs.from_config(config, where=str(where))
+    # the rope's parameters checked now (by the family's own rope), not first when the model is built
+    family.CausalLM.rope_inv_freq(args.head_dim, args.rope, args.where)
     return family, args, read_quantization(config, where)
 
 

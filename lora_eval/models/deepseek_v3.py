@@ -49,8 +49,8 @@ from torch import nn
 from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from . import qwen3
-from .layers import (FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing, rope_number, yarn_mscale,
-                     yarn_rope)
+from .layers import (EPSILON_BELOW, FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing,
+                     read_max_positions, rope_number, rope_parameters, yarn_mscale, yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -103,6 +103,7 @@ class ModelArgs:
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta, dim (= qk_rope_head_dim) and its parameters
     rope_scale: float = 1.0  # the rope's attention factor (YaRN), multiplied into cos and sin
     softmax_scale: float = 1.0
+    max_position_embeddings: int | None = None
     where: str = "config.json"
     quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
@@ -149,14 +150,18 @@ class ModelArgs:
             num_experts=read("n_routed_experts", int, minimum=1),
             top_k=read("num_experts_per_tok", int, minimum=1),
             n_shared_experts=read("n_shared_experts", int, minimum=0), n_group=read("n_group", int, minimum=1),
-            topk_group=read("topk_group", int, minimum=1), norm_topk_prob=bool(config["norm_topk_prob"]),
+            topk_group=read("topk_group", int, minimum=1), norm_topk_prob=read("norm_topk_prob", bool),
             routed_scaling_factor=read("routed_scaling_factor", float, positive=True),
             first_k_dense_replace=read("first_k_dense_replace", int, minimum=0),
-            rms_norm_eps=read("rms_norm_eps", float, positive=True), attention_bias=bool(config["attention_bias"]),
-            rope_interleave=bool(config["rope_interleave"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            num_mtp_layers=read("num_nextn_predict_layers", int, minimum=0), where=where,
+            rms_norm_eps=read("rms_norm_eps", float, positive=True, below=EPSILON_BELOW),
+            attention_bias=read("attention_bias", bool), rope_interleave=read("rope_interleave", bool),
+            tie_word_embeddings=read("tie_word_embeddings", bool, default=False),
+            num_mtp_layers=read("num_nextn_predict_layers", int, minimum=0),
+            max_position_embeddings=read_max_positions(read, config), where=where,
         )
+        if args.first_k_dense_replace > args.num_layers:  # transformers would build no MoE layer: say so
+            raise InputError(where, f"{args.first_k_dense_replace} is more than num_hidden_layers ({args.num_layers})",
+                             key="first_k_dense_replace")
         args.check_router()
         if args.qk_rope_head_dim % 2:
             raise InputError(where, f"RoPE needs an even number of dims, found {args.qk_rope_head_dim}",
@@ -184,11 +189,9 @@ def _rope(config: dict, rope_dim: int, qk_head_dim: int, where: str) -> tuple[di
     rotated `dim` and `key` (its place in config.json) folded in; YaRN's attention factor on cos / sin; the softmax
     scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for a scaled rope, as transformers'
     yarn_apply_mscale)."""
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    rope = dict(config.get(key) or {})
-    rope.setdefault("rope_theta", config.get("rope_theta") or DEFAULT_ROPE_THETA)
+    key, rope = rope_parameters(config, where, default_theta=DEFAULT_ROPE_THETA)
     rope.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
-    rope.update(rope_type=rope.get("rope_type", rope.get("type", "default")), key=key, dim=rope_dim)
+    rope.update(key=key, dim=rope_dim)
     rope_inv_freq(rope_dim, rope, where)  # refuses the rope types we do not compute, by name
     attention_factor = yarn_rope(rope_dim, rope, where, key)[1] if rope["rope_type"] == "yarn" else 1.0
     scale = qk_head_dim ** -0.5

@@ -37,7 +37,7 @@ from torch import nn
 from ..checkpoint import check_weight, read_weight
 from ..errors import InputError
 from . import qwen3
-from .layers import FusedExperts, Linear, group_topk_sigmoid_routing
+from .layers import FusedExperts, Linear, group_topk_sigmoid_routing, rope_parameters
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("glm4_moe",)
@@ -66,12 +66,12 @@ class ModelArgs(qwen3.ModelArgs):
         return super().from_config({**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}, where)
 
     def read_family(self, config: dict, read) -> None:
-        self.qk_norm = bool(config["use_qk_norm"])  # per head (Glm4MoeRMSNorm(head_dim)), before RoPE
+        self.qk_norm = read("use_qk_norm", bool)  # per head (Glm4MoeRMSNorm(head_dim)), before RoPE
         self.mlp_bias = False  # Glm4MoeMLP has no biases
         self.num_experts = read("n_routed_experts", int, "num_local_experts", minimum=1)
         self.top_k = read("num_experts_per_tok", int, minimum=1)
         self.moe_intermediate_size = read("moe_intermediate_size", int, minimum=1)
-        self.norm_topk_prob = bool(config["norm_topk_prob"])
+        self.norm_topk_prob = read("norm_topk_prob", bool)
         self.n_shared_experts = read("n_shared_experts", int, minimum=1)
         self.routed_scaling_factor = read("routed_scaling_factor", float, positive=True)
         self.n_group = read("n_group", int, minimum=1)
@@ -85,6 +85,9 @@ class ModelArgs(qwen3.ModelArgs):
             raise InputError(self.where, f"{self.top_k} is more than the {self.topk_group * (E // G)} experts of "
                              f"topk_group ({self.topk_group}) groups", key="num_experts_per_tok")
         self.first_k_dense_replace = read("first_k_dense_replace", int, minimum=0)
+        if self.first_k_dense_replace > self.num_layers:  # transformers would build no MoE layer: say so
+            raise InputError(self.where, f"{self.first_k_dense_replace} is more than num_hidden_layers "
+                             f"({self.num_layers})", key="first_k_dense_replace")
         self.sparse_layers = tuple(range(self.first_k_dense_replace, self.num_layers))
         mtp = read("num_nextn_predict_layers", int, "num_mtp_layers", minimum=0)
         self.skipped_key_prefixes = tuple(f"model.layers.{self.num_layers + i}." for i in range(mtp))
@@ -95,9 +98,7 @@ def rope_params(config: dict, head_dim: int, where: str) -> dict:
     """{config key: rope parameters} with rope_theta and partial_rotary_factor in them, as transformers standardises
     them (the dict's value first, then the top-level field, then the default), checked here so that a bad value
     is refused by name."""
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    params = dict(config.get(key) or {})
-    params.setdefault("rope_theta", config["rope_theta"])
+    key, params = rope_parameters(config, where)
     params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY_FACTOR))
     factor = params["partial_rotary_factor"]
     ok = isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor <= 1

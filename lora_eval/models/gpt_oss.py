@@ -25,7 +25,8 @@ from torch import nn
 from ..checkpoint import check_weight, read_weight
 from ..errors import InputError
 from . import qwen3
-from .layers import FusedExperts, Linear, RMSNorm, config_reader, deinterleave_gate_up, yarn_rope
+from .layers import (EPSILON_BELOW, FusedExperts, Linear, RMSNorm, config_reader, deinterleave_gate_up,
+                     read_max_positions, rope_parameters, yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("gpt_oss",)
@@ -65,6 +66,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the yarn parameters
     rope_scale: float = 1.0  # the rope's attention factor, multiplied into cos and sin
+    max_position_embeddings: int | None = None
     where: str = "config.json"
     quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
@@ -102,11 +104,13 @@ class ModelArgs:
             num_kv_heads=read("num_key_value_heads", int, default=heads, minimum=1),
             head_dim=read("head_dim", int, default=hidden // heads, minimum=1),
             intermediate_size=read("intermediate_size", int, minimum=1), num_experts=num_experts, top_k=top_k,
-            rms_norm_eps=read("rms_norm_eps", float, default=1e-5, positive=True), layer_types=tuple(layer_types),
+            rms_norm_eps=read("rms_norm_eps", float, default=1e-5, positive=True, below=EPSILON_BELOW),
+            layer_types=tuple(layer_types),
             sliding_window=window, swiglu_alpha=read("swiglu_alpha", float, default=1.702, positive=True),
             swiglu_limit=read("swiglu_limit", float, default=7.0, positive=True),
-            attention_bias=bool(config.get("attention_bias", True)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), where=where,
+            attention_bias=read("attention_bias", bool, default=True),
+            tie_word_embeddings=read("tie_word_embeddings", bool, default=False),
+            max_position_embeddings=read_max_positions(read, config), where=where,
         )
         if heads % args.num_kv_heads:
             raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
@@ -120,11 +124,9 @@ class ModelArgs:
 def _rope(config: dict, head_dim: int, where: str) -> tuple[dict, float]:
     """(rope settings: rope_parameters, or the legacy rope_scaling, or transformers' default yarn, with rope_theta
     and max_position_embeddings folded in and `key` naming their place in config.json; the attention factor)."""
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    rope = dict(config.get(key) or DEFAULT_ROPE)
-    rope.setdefault("rope_theta", config.get("rope_theta") or DEFAULT_ROPE_THETA)
+    key, rope = rope_parameters(config, where, default=DEFAULT_ROPE, default_theta=DEFAULT_ROPE_THETA)
     rope.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
-    rope.update(rope_type=rope.get("rope_type", rope.get("type", "default")), key=key)
+    rope["key"] = key
     return rope, yarn_rope(head_dim, rope, where, key)[1] if rope["rope_type"] == "yarn" else 1.0
 
 

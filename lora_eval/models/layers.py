@@ -33,12 +33,36 @@ class Linear(nn.Module):
         return fwd.linear(self, x, residual=residual)  # [T, out]
 
 
+# Upper bounds of a config's integer sizes: far above any released model (Llama-3.1-405B: 126 layers, hidden 16384,
+# intermediate 53248, 128 heads; DeepSeek-V3: 256 experts; Gemma: 262144 tokens), and low enough that no product of
+# them we build from (an expert tensor E x 2I x H, the meta model of `plan`, rope tables) overflows int64 or takes
+# more than a second: a config beyond them is a typo or an attack, refused by name instead of exit 3 or the OOM killer.
+SIZE_LIMITS = {
+    **dict.fromkeys(("num_hidden_layers", "first_k_dense_replace", "decoder_sparse_step", "num_nextn_predict_layers",
+                     "num_mtp_layers"), 10_000),
+    **dict.fromkeys(("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+                    2**20),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+                     "n_shared_experts", "n_group", "topk_group"), 2**16),
+    "vocab_size": 2**24,
+    **dict.fromkeys(("num_attention_heads", "num_key_value_heads"), 2**12),
+    # positions: int32 in the kernels' position tensors; a rope table is computed for the positions a batch holds
+    **dict.fromkeys(("max_position_embeddings", "sliding_window", "original_max_position_embeddings"), 2**31 - 1),
+}
+# Epsilons (rms_norm_eps) are added to mean(x^2) before its square root: one >= 1 swamps the hidden states' own scale
+# (O(1) and below after a norm) and makes every norm's output a shrunken copy of its input, every output distribution
+# near uniform (an exit 1 blamed on the adapters); released models use 1e-6 .. 1e-5.
+EPSILON_BELOW = 1.0
+
+
 def config_reader(config: dict, where: str):
-    """`read(key, kind, *alts, default=None, minimum=None, positive=False)`: config[key] (or the first alternative name
-    present) as `kind` (int or float), `default` where none is present, or an InputError naming the key and what was
-    expected: a finite number (an integer for int), >= `minimum`, > 0 where `positive`; the one validating reader
-    every family's ModelArgs uses."""
-    def read(key, kind, *alts, default=None, minimum=None, positive=False):
+    """`read(key, kind, *alts, default=None, minimum=None, positive=False, below=None)`: config[key] (or the first
+    alternative name present) as `kind` (int, float or bool), `default` where none is present, or an InputError
+    naming the key and what was expected: a finite number (an integer for int, at most SIZE_LIMITS[key] where it
+    names one), >= `minimum`, > 0 where `positive`, < `below`; for bool a JSON true or false (a string "false" is
+    truthy in Python: refused, never read as true). The one validating reader every family's ModelArgs uses."""
+    def read(key, kind, *alts, default=None, minimum=None, positive=False, below=None):
         for k in (key, *alts):
             if config.get(k) is not None:
                 key, value = k, config[k]
@@ -48,15 +72,56 @@ def config_reader(config: dict, where: str):
                 raise InputError(where, f"missing required field for model_type '{config.get('model_type')}'",
                                  key=key)
             return default
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise InputError(where, f"expected true or false, a JSON boolean, found {value!r}", key=key)
+            return value
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         ok = number and (kind is not int or float(value) == int(value))
-        if not ok or (minimum is not None and value < minimum) or (positive and value <= 0):
-            bound = " > 0" if positive else f" >= {minimum}" if minimum is not None else ""
-            raise InputError(where, f"expected {'an integer' if kind is int else 'a finite number'}{bound}, found "
-                             f"{value!r}", key=key)
+        maximum = SIZE_LIMITS.get(key) if kind is int else None
+        if not ok or (minimum is not None and value < minimum) or (positive and value <= 0) \
+                or (maximum is not None and value > maximum) or (below is not None and value >= below):
+            bounds = [" > 0" if positive else f" >= {minimum}" if minimum is not None else "",
+                      f" <= {maximum:_}" if maximum is not None else "", f" < {below}" if below is not None else ""]
+            raise InputError(where, f"expected {'an integer' if kind is int else 'a finite number'}"
+                             f"{' and'.join(b for b in bounds if b)}, found {value!r}", key=key)
         return kind(value)
 
     return read
+
+
+def read_max_positions(read, config: dict) -> int | None:
+    """max_position_embeddings (None where absent): an integer >= 2 (one position attends to another), for every
+    command (MMLU fits its prompts to it; compare and dump-reference refuse samples longer than it)."""
+    if config.get("max_position_embeddings") is None:
+        return None
+    return read("max_position_embeddings", int, minimum=2)
+
+
+def read_layer_list(config: dict, key: str, num_layers: int, where: str) -> list[int]:
+    """config[key] (absent: []) as a list of layer indices, each in 0 .. num_layers - 1 (an index beyond the model
+    would be ignored by transformers' `i in mlp_only_layers`: a setting silently without effect)."""
+    value = config.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise InputError(where, f"expected a list of layer indices, found {value!r}", key=key)
+    outside = [i for i in value if not 0 <= i < num_layers]
+    if outside:
+        raise InputError(where, f"layer {outside[0]} is not one of the model's {num_layers} layers "
+                         f"(0 .. {num_layers - 1})", key=key)
+    return value
+
+
+def read_layer_types(config: dict, num_layers: int, where: str, allowed: tuple[str, ...]) -> list[str] | None:
+    """config["layer_types"] (None where absent): one of `allowed` per layer, num_hidden_layers of them."""
+    value = config.get("layer_types")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != num_layers or not all(t in allowed for t in value):
+        raise InputError(where, f"expected a list of {num_layers} entries (num_hidden_layers) from "
+                         f"{', '.join(allowed)}, found {value!r}", key="layer_types")
+    return value
 
 
 def rope_number(params: dict, name: str, where: str, key: str, default=None, minimum: float | None = None) -> float:
@@ -68,6 +133,49 @@ def rope_number(params: dict, name: str, where: str, key: str, default=None, min
         bound = "> 0" if minimum is None else f">= {minimum}"
         raise InputError(where, f"'{name}' must be a finite number {bound}, found {value!r}", key=key)
     return float(value)
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling")  # transformers 5 reads `rope_scaling or rope_parameters`
+
+
+def rope_parameters(config: dict, where: str, default: dict | None = None,
+                    default_theta: float = 10000.0) -> tuple[str, dict]:
+    """(the key in config.json, the rope parameters) as transformers 5 reads them (`convert_rope_params_to_dict`:
+    rope_scaling if given, else rope_parameters, else `default`; rope_type from the legacy `type`; rope_theta from
+    the dict, else the top-level rope_theta, else `default_theta`). Every rope field is checked, the one transformers
+    reads or not: each of rope_parameters and rope_scaling an object (or null), a top-level rope_theta a finite
+    number > 0, and where both objects are given they must agree (else which one a trainer used is unknowable)."""
+    theta = config.get("rope_theta")
+    if theta is not None:
+        theta = rope_number(config, "rope_theta", where, "rope_theta")
+    given = {}
+    for key in ROPE_KEYS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise InputError(where, f"expected an object of rope parameters (or null), found {value!r}", key=key)
+        if value:
+            given[key] = _standard_rope(value, theta, default_theta, where, key)
+    if len(given) == 2 and given["rope_parameters"] != given["rope_scaling"]:
+        raise InputError(where, f"rope_parameters {config['rope_parameters']!r} and rope_scaling "
+                         f"{config['rope_scaling']!r} disagree (transformers reads rope_scaling); give one",
+                         key="rope_scaling")
+    if given:
+        key = "rope_scaling" if "rope_scaling" in given else "rope_parameters"
+        return key, given[key]
+    return "rope_parameters", _standard_rope(default or {}, theta, default_theta, where, "rope_parameters")
+
+
+def _standard_rope(params: dict, theta, default_theta: float, where: str, key: str) -> dict:
+    """`params` with rope_type (from `type`, default "default") and rope_theta (`theta`, else `default_theta`) set,
+    the legacy `type` dropped (two spellings of one rope compare equal); rope_theta checked."""
+    out = {k: v for k, v in params.items() if k != "type"}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise InputError(where, f"expected a rope type name, found {rope_type!r}", key=f"{key}.rope_type")
+    out["rope_type"] = rope_type
+    out.setdefault("rope_theta", default_theta if theta is None else theta)
+    rope_number(out, "rope_theta", where, key)
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,14 +305,9 @@ class Embedding(nn.Module):
 def rope_inv_freq(head_dim: int, config: dict, where: str = "config.json") -> torch.Tensor:
     """Rotary inverse frequencies [head_dim/2] for the rope types we compute (default, linear, llama3); on the CPU
     even inside a meta-device context (a meta arange imports sympy: about 2 s of a process's first load)."""
-    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-    params = dict(config.get(key) or {})
-    theta = params.get("rope_theta", config.get("rope_theta"))
-    theta = 10000.0 if theta is None else theta  # transformers' default where the config names none
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
-        raise InputError(where, f"expected a finite number > 0, found {theta!r}", key="rope_theta")
-    theta = float(theta)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    key, params = rope_parameters(config, where)
+    theta = rope_number(params, "rope_theta", where, key)
+    rope_type = params["rope_type"]
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()  # [D/2]
     inv_freq = 1.0 / theta ** (steps / head_dim)  # [D/2]
     if rope_type == "default":
@@ -258,7 +361,10 @@ def yarn_rope(head_dim: int, params: dict, where: str = "config.json",
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
+    truncate = True if params.get("truncate") is None else params["truncate"]
+    if not isinstance(truncate, bool):  # a string "false" would be truthy
+        raise InputError(where, f"expected true or false, a JSON boolean, found {truncate!r}", key=f"{key}.truncate")
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:

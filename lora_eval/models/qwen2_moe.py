@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UnsupportedError
 from . import qwen3
-from .layers import Linear
+from .layers import Linear, read_layer_types
 from .qwen3 import load_weights
 
 MODEL_TYPES = ("qwen2_moe",)
@@ -35,11 +35,12 @@ class ModelArgs(qwen3.ModelArgs):
         return super().from_config({**DEFAULTS, **config}, where)
 
     def read_family(self, config: dict, read) -> None:
-        sliding = [t for t in config.get("layer_types") or [] if t != "full_attention"]
+        types = read_layer_types(config, self.num_layers, self.where, ("full_attention", "sliding_attention"))
+        sliding = [t for t in types or [] if t != "full_attention"]
         if sliding:
             raise UnsupportedError(self.where, f"layer type '{sliding[0]}' is not supported (full_attention is)",
                                    key="layer_types")
-        self.attention_bias = bool(config["qkv_bias"])  # q/k/v only, see Attention
+        self.attention_bias = read("qkv_bias", bool)  # q/k/v only, see Attention
         self.mlp_bias = False  # Qwen2MoeMLP has no biases
         self.read_experts(config, read)
         self.read_sparse_layers(config, read)

@@ -16,7 +16,8 @@ from torch import nn
 
 from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
-from .layers import Embedding, FusedExperts, Linear, RMSNorm, config_reader, rope_cos_sin, rope_inv_freq
+from .layers import (EPSILON_BELOW, Embedding, FusedExperts, Linear, RMSNorm, config_reader, read_layer_list,
+                     read_layer_types, read_max_positions, rope_cos_sin, rope_inv_freq)
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "llama")
 
@@ -46,6 +47,7 @@ class ModelArgs:
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
     rope: dict = field(default_factory=dict)
+    max_position_embeddings: int | None = None  # None where config.json names none
     where: str = "config.json"  # the config file, for error messages
     quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
@@ -56,7 +58,7 @@ class ModelArgs:
         model_type = config["model_type"]
         if config.get("hidden_act", "silu") != "silu":
             raise UnsupportedError(where, f"hidden_act '{config['hidden_act']}' is not supported (silu is)", key="hidden_act")
-        if config.get("use_sliding_window"):
+        if read("use_sliding_window", bool, default=False):
             raise UnsupportedError(where, "sliding-window attention is not supported for this family",
                                    key="use_sliding_window")
         heads = read("num_attention_heads", int, minimum=1)
@@ -67,12 +69,14 @@ class ModelArgs:
             num_layers=layers, num_heads=heads, num_kv_heads=read("num_key_value_heads", int, default=heads, minimum=1),
             head_dim=read("head_dim", int, default=hidden // heads, minimum=1),
             intermediate_size=read("intermediate_size", int, default=0, minimum=0),
-            rms_norm_eps=read("rms_norm_eps", float, default=1e-6, positive=True),
+            rms_norm_eps=read("rms_norm_eps", float, default=1e-6, positive=True, below=EPSILON_BELOW),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            rope={k: config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")}, where=where,
+            attention_bias=read("attention_bias", bool, default=False), mlp_bias=read("mlp_bias", bool, default=False),
+            tie_word_embeddings=read("tie_word_embeddings", bool, default=False),
+            rope={k: config.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")},
+            max_position_embeddings=read_max_positions(read, config), where=where,
         )
+        read_layer_types(config, layers, where, ("full_attention", "sliding_attention"))
         if heads % args.num_kv_heads:
             raise InputError(where, f"{heads} attention heads do not split into {args.num_kv_heads} key/value heads",
                              key="num_key_value_heads")
@@ -95,7 +99,7 @@ class ModelArgs:
         self.num_experts = read("num_experts", int, "num_local_experts", minimum=1)
         self.top_k = read("num_experts_per_tok", int, minimum=1)
         self.moe_intermediate_size = read(intermediate_key, int, minimum=1)
-        self.norm_topk_prob = bool(config.get("norm_topk_prob", False))
+        self.norm_topk_prob = read("norm_topk_prob", bool, default=False)
         if self.top_k > self.num_experts:
             raise InputError(self.where, f"{self.top_k} is more than num_experts ({self.num_experts})",
                              key="num_experts_per_tok")
@@ -103,9 +107,7 @@ class ModelArgs:
     def read_sparse_layers(self, config: dict, read) -> None:
         """Which layers are MoE: every `decoder_sparse_step`-th one, except those in `mlp_only_layers`."""
         step = read("decoder_sparse_step", int, default=1, minimum=1)
-        dense = config.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-            raise InputError(self.where, f"expected a list of layer indices, found {dense!r}", key="mlp_only_layers")
+        dense = read_layer_list(config, "mlp_only_layers", self.num_layers, self.where)
         self.sparse_layers = tuple(i for i in range(self.num_layers) if i not in dense and (i + 1) % step == 0)
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from . import qwen3
-from .layers import Embedding, Linear, RMSNorm
+from .layers import Embedding, Linear, RMSNorm, rope_parameters
 
 MODEL_TYPES = ("qwen3_vl_moe",)
 PREFIX = "model.language_model"  # where the checkpoint and a trainer's model keep the language model
@@ -63,7 +63,7 @@ class ModelArgs(qwen3.ModelArgs):
             raise InputError(where, f"expected the language model's config as an object, found {text!r}",
                              key="text_config")
         merged = {**DEFAULTS, **text, "model_type": config["model_type"],
-                  "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+                  "tie_word_embeddings": config.get("tie_word_embeddings")}
         try:
             return super().from_config(merged, where)
         except InputError as e:  # UnsupportedError too: name the key where it is, under text_config
@@ -76,9 +76,8 @@ class ModelArgs(qwen3.ModelArgs):
         self.read_experts(config, read)
         self.norm_topk_prob = True  # Qwen3VLMoeTextTopKRouter always renormalises
         self.read_sparse_layers(config, read)
-        key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-        params = config.get(key) or {}
-        rope_type = params.get("rope_type", params.get("type", "default"))
+        key, params = rope_parameters(config, self.where)
+        rope_type = params["rope_type"]
         if rope_type != "default":
             raise UnsupportedError(self.where, f"rope type '{rope_type}' is not supported for qwen3_vl_moe "
                                    "(default mrope is)", key=key)
