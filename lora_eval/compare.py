@@ -31,7 +31,7 @@ from .batching import batches_in_order, make_batches, padding_waste
 from .distributed import Ranks, together
 from .engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from .errors import InputError
-from .inputs import adapter_names, model_config, positive_int, threshold
+from .inputs import adapter_names, check_lengths, model_config, positive_int, threshold
 from .metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
 from .names import BASE, OVERALL
 from .plan import check_fits
@@ -87,6 +87,8 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             with phases("read"):  # the references, read and checked, and the work planned from their token ids
                 args = model_config(model)[1]
                 refs = _read_references(references, adapters, args.vocab_size)
+                for file, rows in refs.groupby("file", sort=False):  # no sample beyond the model's positions
+                    check_lengths(rows["input_ids"].map(len), rows["sample_id"], args.max_position_embeddings, file)
                 digests = InputDigests(model, adapters, reference_inputs(references))  # (result() below)
                 lengths = [len(ids) for ids in refs["input_ids"]]
                 use_prefixes = bool(options.prefix_cache) and not options.expert_parallel

@@ -125,11 +125,8 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
                     dev = check_shots(dev, questions, shots, layout, data)
 
             with phases("load"):  # the model's config (its tokenizer comes with the prompts)
-                config, args = model_config(model)
-                max_len = config.get("max_position_embeddings")
-                if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
-                    raise InputError(Path(model) / "config.json", f"expected an integer >= 2, found {max_len!r}",
-                                     key="max_position_embeddings")
+                args = model_config(model)[1]
+                max_len = args.max_position_embeddings  # (checked by the config's reader: an integer >= 2)
             # the inputs are hashed on a thread meanwhile; loading onto a GPU, transformers' import (which holds the
             # GIL: beside it MMLU's load phase took ~1.5 s longer on an H100, BENCHMARKS-history section 13) is the
             # child's

@@ -25,7 +25,7 @@ from .adapters import load_adapter
 from .distributed import Ranks, together
 from .engine import DTYPES, EngineOptions, first_non_finite, overflow_error
 from .errors import InputError
-from .inputs import adapter_names, model_config
+from .inputs import adapter_names, check_lengths, model_config
 from .models import check_loaded_weights, load_model
 from .models.layers import interleave_gate_up
 from .prompts import read_prompts
@@ -58,6 +58,7 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
             _, args = model_config(model_dir)
             notes = []  # (said once the inputs are checked: an input error stays the only line)
             frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notes.append)
+            check_lengths(frame["input_ids"].map(len), frame["sample_id"], args.max_position_embeddings, prompts)
             shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
             parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
             record = options.record()

@@ -472,6 +472,27 @@ def compare_cmd(art, out, ref, *extra) -> list:
             "--out", out, "--quiet", "--device", "cpu", *extra]
 
 
+def test_samples_beyond_the_models_positions_are_refused(art, tmp_path, no_model):
+    """A reference or prompt longer than config.json's max_position_embeddings (which no trainer with this config
+    made) was computed and compared: refused before the model loads, naming the file and the sample."""
+    model = tmp_path / "model"
+    shutil.copytree(art["model"], model)
+    config = json.loads((model / "config.json").read_text())
+    data = frame(art["seed"] + 30)
+    longest = max(len(x) for x in data["input_ids"])
+    (model / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=longest - 1)))
+    sample = data["sample_id"][[len(x) for x in data["input_ids"]].index(longest)]
+    ref = write_reference(data, tmp_path / "ref.parquet")
+    needle = f"sample_id {sample}: {longest} tokens, more than the model's max_position_embeddings ({longest - 1}"
+    assert_input_error(run_cli("compare", "--model", model, "--reference", ref, "--out", tmp_path / "run"),
+                       f"error: {ref}: ", needle)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(sample_id=i, adapter=None, input_ids=list(map(int, x)))
+                                                         for i, x in zip(data["sample_id"], data["input_ids"])])
+    assert_input_error(run_cli("dump-reference", "--model", model, "--prompts", prompts, "--out",
+                               tmp_path / "ref2.parquet"), f"error: {prompts}: ", needle)
+    assert left_beside(tmp_path / "run") == [] and left_beside(tmp_path / "ref2.parquet") == []
+
+
 def test_junit_is_none_of_the_run_folders_paths(art, tmp_path, no_model):
     """--junit equal to --out exited 3 (IsADirectoryError), leaving OUT and OUT.tmp-NNN; inside OUT, or OUT.lock or
     OUT.partial, it would be written where the run folder lives. Refused before anything runs, for mmlu too."""
