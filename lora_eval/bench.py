@@ -104,6 +104,8 @@ def read_model_config(path: str | Path, layers: int | None = None) -> dict:
             config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if isinstance(i, int) and i < layers]
         if isinstance(config.get("layer_types"), list):
             config["layer_types"] = config["layer_types"][:layers]
+        if isinstance(config.get("first_k_dense_replace"), int):  # (DeepSeek-V3's 3 dense layers, cut to 2: both)
+            config["first_k_dense_replace"] = min(config["first_k_dense_replace"], layers)
     family_and_args(config, path)  # our own checks (family, sizes) before transformers sees the config
     return config
 

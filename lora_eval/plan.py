@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from .adapters.config import AdapterConfig
-from .adapters.load import LORA_KEY, PREFIX, _renamed, _renamed_config
+from .adapters.load import LORA_KEY, PREFIX, _renamed, _renamed_config, non_float_error
 from .adapters.targets import Sites, resolve_targets
 from .checkpoint import TensorFiles, read_json
 from .engine import DTYPES, LOGITS_BUDGET
@@ -109,8 +109,7 @@ def check_adapter_headers(files: TensorFiles, path: Path, config: AdapterConfig,
     for key in files.keys():
         dtype = files.dtype(key)
         if dtype is None or not dtype.is_floating_point:
-            found = "a dtype lora-eval does not read" if dtype is None else f"dtype {str(dtype).removeprefix('torch.')}"
-            raise InputError(path, f"{found}, expected a floating-point tensor", key=key)
+            raise non_float_error(path, key, dtype)
         m = LORA_KEY.match(_renamed(key.removeprefix(PREFIX), renames))
         if not m or m["module"] not in linear:
             continue

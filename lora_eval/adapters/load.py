@@ -110,11 +110,17 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
     return data
 
 
+def non_float_error(path: Path, key: str, dtype: torch.dtype | None) -> InputError:
+    """The refusal of a LoRA tensor that is not floating point (read, or seen in a header by plan)."""
+    found = "a dtype lora-eval does not read" if dtype is None else f"dtype {str(dtype).removeprefix('torch.')}"
+    return InputError(path, f"{found}, expected a floating-point tensor (an integer or bool LoRA tensor would be cast "
+                      "silently)", key=key)
+
+
 def _checked(path: Path, key: str, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in float32, refused unless it is floating and every value is finite (in float32 too)."""
     if not tensor.dtype.is_floating_point:
-        raise InputError(path, f"dtype {str(tensor.dtype).removeprefix('torch.')}, expected a floating-point tensor "
-                         "(an integer or bool LoRA tensor would be cast silently)", key=key)
+        raise non_float_error(path, key, tensor.dtype)
     tensor = tensor.to(torch.float32)
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
