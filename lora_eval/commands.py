@@ -17,6 +17,7 @@ from .compare import compare
 from .demo import claim_folder, run_demo
 from .diagnose import diagnose
 from .diagnose_report import diagnose_summary
+from .distributed import Ranks, together
 from .engine import EngineOptions
 from .errors import EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD
 from .inspection import inspect_adapters
@@ -73,8 +74,9 @@ def dump_reference_command(model_dir, adapters, prompts, out, default_adapter, d
 
 def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
                     no_adapter_check, junit_path, overwrite, quiet, **engine):
-    check_replaceable(check_out(junit_path, "--junit", single_file=True,
-                               inputs=run_inputs(model_dir, adapters, reference=references), run=out), "--junit")
+    with together(Ranks.from_env()):  # every rank checks it, one line says what is wrong (distributed.py)
+        check_replaceable(check_out(junit_path, "--junit", single_file=True,
+                                   inputs=run_inputs(model_dir, adapters, reference=references), run=out), "--junit")
     result = compare(model_dir, adapters, references, out=out, options=engine_options(**engine),
                      batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
                      max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
@@ -84,8 +86,9 @@ def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, 
 
 def mmlu_command(model_dir, adapters, data, out, split, shots, subjects, limit, max_drop, batch_tokens, junit_path,
                  overwrite, quiet, **engine):
-    check_replaceable(check_out(junit_path, "--junit", single_file=True,
-                               inputs=run_inputs(model_dir, adapters, data=data), run=out), "--junit")
+    with together(Ranks.from_env()):  # every rank checks it, one line says what is wrong (distributed.py)
+        check_replaceable(check_out(junit_path, "--junit", single_file=True,
+                                   inputs=run_inputs(model_dir, adapters, data=data), run=out), "--junit")
     result = mmlu(model_dir, adapters, data, out=out, split=split, shots=shots, subjects=subjects, limit=limit,
                   max_drop=max_drop, options=engine_options(**engine), batch_tokens=batch_tokens, quiet=quiet,
                   overwrite=overwrite, notice=notice)

@@ -499,6 +499,16 @@ def test_a_boolean_given_as_a_string_is_refused(good, tmp_path, key, value):
     assert_refused(good, tmp_path, model, f"{key}: expected true or false, a JSON boolean, found {value!r}")
 
 
+@pytest.mark.parametrize("key", ["hidden_size", "num_attention_heads", "moe_intermediate_size"])
+def test_an_integer_given_as_a_float_is_refused(good, tmp_path, key):
+    """hidden_size 64.0 was read as 64 by us, and crashed transformers' modules in dump-reference (exit 3)."""
+    model = copy(good.model, tmp_path / "model")
+    value = float(json.loads((model / "config.json").read_text())[key])
+    edit_config(model, **{key: value})
+    assert_refused(good, tmp_path, model, f"{key}: expected an integer", f"found {value!r}",
+                   commands=("compare", "plan", "dump-reference"))
+
+
 @pytest.mark.parametrize("value", [1e308, 1, 2.5])
 def test_rms_norm_eps_must_be_below_1(good, tmp_path, value):
     """An epsilon >= 1 made every output near uniform: exit 1, blamed on the adapters."""

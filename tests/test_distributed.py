@@ -236,6 +236,9 @@ def test_launch_keeps_the_exit_codes_of_one_process(demo, tmp_path):
     assert (code, stdout) == (2, "") and len(stderr.splitlines()) == 1, stderr
     assert stderr.startswith(f"error: {tmp_path / 'prompts.jsonl'}") and not (tmp_path / "ref.parquet").exists()
     assert not list(tmp_path.glob("*partial*")), list(tmp_path.iterdir())
+    code, stdout, stderr = finish(torchrun(2, [*demo_compare(demo, tmp_path / "run"), "--junit", tmp_path / "run"]))
+    assert (code, stdout) == (2, "") and len(stderr.splitlines()) == 1, stderr  # checked on each rank, said once
+    assert "--junit: " in stderr and "is the run folder" in stderr, stderr
     code, stdout, stderr = finish(torchrun(2, ["diagnose", "--model", demo / "model", "--reference",
                                               demo / "reference.parquet", "--out", tmp_path / "why"]))
     assert (code, stdout) == (2, "") and stderr.splitlines() == [

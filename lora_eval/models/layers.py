@@ -59,7 +59,7 @@ EPSILON_BELOW = 1.0
 def config_reader(config: dict, where: str):
     """`read(key, kind, *alts, default=None, minimum=None, positive=False, below=None)`: config[key] (or the first
     alternative name present) as `kind` (int, float or bool), `default` where none is present, or an InputError
-    naming the key and what was expected: a finite number (an integer for int, at most SIZE_LIMITS[key] where it
+    naming the key and what was expected: a finite number (a JSON integer for int, at most SIZE_LIMITS[key] where it
     names one), >= `minimum`, > 0 where `positive`, < `below`; for bool a JSON true or false (a string "false" is
     truthy in Python: refused, never read as true). The one validating reader every family's ModelArgs uses."""
     def read(key, kind, *alts, default=None, minimum=None, positive=False, below=None):
@@ -77,7 +77,7 @@ def config_reader(config: dict, where: str):
                 raise InputError(where, f"expected true or false, a JSON boolean, found {value!r}", key=key)
             return value
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ok = number and (kind is not int or float(value) == int(value))
+        ok = number and (kind is not int or isinstance(value, int))  # (64.0: transformers' modules take no float)
         maximum = SIZE_LIMITS.get(key) if kind is int else None
         if not ok or (minimum is not None and value < minimum) or (positive and value <= 0) \
                 or (maximum is not None and value > maximum) or (below is not None and value >= below):
