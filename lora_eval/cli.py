@@ -9,11 +9,13 @@ tasks and torch) is imported once its arguments are parsed (`run`)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import math
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -30,9 +32,30 @@ def speaks() -> bool:
 
 
 def run(command: str, /, **arguments) -> None:
-    """Do `command` (commands.py's `<command>_command`), imported only now that the arguments are parsed."""
-    commands = importlib.import_module(".commands", __package__)
+    """Do `command` (commands.py's `<command>_command`), imported only now that the arguments are parsed. A SIGINT /
+    SIGTERM during the import is held and acted on once it is done: raised inside torch's import machinery, the
+    exception was swallowed there (the run went on and exited 0) or broke the import (exit 3, or an abort) in about
+    1 of 100 signals sent in that second."""
+    with held_signals() as held:
+        commands = importlib.import_module(".commands", __package__)
+    if held:
+        raise Interrupted(held[0])
     getattr(commands, f"{command.replace('-', '_')}_command")(**arguments)
+
+
+@contextlib.contextmanager
+def held_signals():
+    """SIGINT and SIGTERM recorded (in the list yielded), not handled, inside the block; the handlers before it are
+    back afterwards. (distributed.held_signals does the same around a collective, but imports torch.)"""
+    held: list[int] = []
+    before = {} if threading.current_thread() is not threading.main_thread() else {  # (signals reach no other)
+        signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+        for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def parse_named_paths(values: tuple[str, ...], option: str) -> dict[str, str]:
