@@ -48,9 +48,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import lora_eval.kernels.fused_moe as fused_moe_module
 from lora_eval.adapters import load_adapter
-from lora_eval.bench import make_peft_adapters, measure, parse_batch, random_hf_model, read_model_config
-from lora_eval.engine import Batch, Engine
-from lora_eval.forward import Forward
+from lora_eval.tasks.bench import make_peft_adapters, measure, parse_batch, random_hf_model, read_model_config
+from lora_eval.engine.engine import Batch, Engine
+from lora_eval.engine.forward import Forward
 from lora_eval.kernels import dense_lora, fused_moe
 from lora_eval.kernels.tiles import MOE_CONFIGS
 from lora_eval.models import load_model_from_tensors

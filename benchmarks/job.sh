@@ -47,7 +47,7 @@ import sys, time
 from pathlib import Path
 import torch
 from safetensors import safe_open
-from lora_eval.engine import Engine, read_adapters
+from lora_eval.engine.engine import Engine, read_adapters
 from lora_eval.models import load_model
 folder, adapter = Path(sys.argv[1]), sys.argv[2]
 device = sys.argv[3] if len(sys.argv) > 3 else "cuda"

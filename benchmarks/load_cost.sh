@@ -21,7 +21,7 @@ python3 - $W <<'PY'
 import sys, time, torch
 from pathlib import Path
 from lora_eval.models import load_model
-from lora_eval.checkpoint import TensorFiles, check_finite
+from lora_eval.models.checkpoint import TensorFiles, check_finite
 from lora_eval.adapters.load import read_adapter_tensors
 w = Path(sys.argv[1])
 model = load_model(w / "model", dtype=torch.bfloat16, device="cuda")

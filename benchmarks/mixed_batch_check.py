@@ -33,7 +33,7 @@ import torch
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.forward import Forward
+from lora_eval.engine.forward import Forward
 from lora_eval.kernels.tiles import MOE_CONFIGS
 from lora_eval.models import load_model
 from tests.builders import random_sequences, save_random_model

@@ -13,7 +13,7 @@ questions' forwards and the rest, and the top operators by device and by host ti
 
 The model has no tokenizer of its own here: a byte-level BPE (32k) trained on the MMLU text itself stands in
 (prompts come out about as long as with a real 150k-vocabulary tokenizer: see the printed mean length). The
-weights are made on the device and shared with our model (lora_eval.bench), no checkpoint is written.
+weights are made on the device and shared with our model (lora_eval.tasks.bench), no checkpoint is written.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from lora_eval import mmlu
 from lora_eval.adapters import load_adapter
-from lora_eval.bench import make_peft_adapters, random_hf_model, read_model_config
-from lora_eval.demo import build_tokenizer
-from lora_eval.engine import Engine, EngineOptions
+from lora_eval.tasks.bench import make_peft_adapters, random_hf_model, read_model_config
+from lora_eval.tasks.demo import build_tokenizer
+from lora_eval.engine.engine import Engine, EngineOptions
 from lora_eval.models import load_model_from_tensors
 
 

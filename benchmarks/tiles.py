@@ -83,7 +83,7 @@ from lora_eval.kernels.rope import rope, rope_ref
 from lora_eval.kernels.router import router_topk, router_topk_ref
 from lora_eval.kernels.tiles import (DENSE_LORA_BLOCKS, MATMUL_TILES, POSITIONS_PER_PROGRAM, PREFIX_ATTENTION_TILES,
                                      RMS_NORM_ROWS_PER_PROGRAM, ROUTER_ROWS_PER_PROGRAM)
-from lora_eval.forward import row_attention
+from lora_eval.engine.forward import row_attention
 from lora_eval.models.layers import rope_cos_sin
 
 

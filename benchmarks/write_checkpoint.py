@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from lora_eval.bench import make_peft_adapters, random_hf_model, random_reference, read_model_config
-from lora_eval.demo import build_tokenizer
+from lora_eval.tasks.bench import make_peft_adapters, random_hf_model, random_reference, read_model_config
+from lora_eval.tasks.demo import build_tokenizer
 
 
 def main():

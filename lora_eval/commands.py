@@ -12,23 +12,23 @@ import click
 import pandas as pd
 import torch
 
-from .bench import NOTE_SEPARATOR, bench
-from .compare import compare
-from .demo import claim_folder, run_demo
-from .diagnose import diagnose
-from .diagnose_report import diagnose_summary
 from .distributed import Ranks, together
-from .engine import EngineOptions
+from .engine.engine import EngineOptions
+from .engine.plan import plan, plan_text
 from .errors import EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD
-from .inspection import inspect_adapters
-from .junit import compare_junit, mmlu_junit
 from .launch import launch
-from .mmlu import mmlu
-from .plan import plan, plan_text
-from .report import phase_times, render, summary_text, verdict
-from .results import CompareResult
-from .runfolder import atomic_write, check_out, check_replaceable, run_inputs
-from .trainer import dump_reference
+from .render.diagnose import diagnose_summary
+from .render.files import phase_times, render, summary_text, verdict
+from .render.junit import compare_junit, mmlu_junit
+from .results.runfolder import atomic_write, check_out, check_replaceable, run_inputs
+from .results.tables import CompareResult
+from .tasks.bench import NOTE_SEPARATOR, bench
+from .tasks.compare import compare
+from .tasks.demo import claim_folder, run_demo
+from .tasks.diagnose.task import diagnose
+from .tasks.dump_reference import dump_reference
+from .tasks.inspect_adapters import inspect_adapters
+from .tasks.mmlu.task import mmlu
 
 
 def speaks() -> bool:

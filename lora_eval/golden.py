@@ -19,12 +19,12 @@ from pathlib import Path
 import click
 import pandas as pd
 
-from . import demo
 from .cli import cli
-from .engine import EngineOptions
+from .engine.engine import EngineOptions
 from .errors import InputError
-from .references import read_reference, write_reference
-from .trainer import dump_reference, quiet_libraries
+from .inputs.references import read_reference, write_reference
+from .tasks import demo
+from .tasks.dump_reference import dump_reference, quiet_libraries
 
 GOLDEN = "demo-golden.parquet"
 # float32 engine against float32 transformers + PEFT: k2 ~ 1e-13 and mean |d| ~ 5e-7 on the demo model, so

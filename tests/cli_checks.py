@@ -23,9 +23,9 @@ def assert_input_error(result, *needles: str) -> str:
 def save_run(result, out):
     """A complete run folder of `result` (its tables, reports and run.json), written by the run-folder code itself,
     for tests that build or edit results by hand."""
-    from lora_eval.report import report_files
-    from lora_eval.results import CompareResult, table_files
-    from lora_eval.runfolder import RunFolder
+    from lora_eval.render.files import report_files
+    from lora_eval.results.tables import CompareResult, table_files
+    from lora_eval.results.runfolder import RunFolder
 
     command = "compare" if isinstance(result, CompareResult) else "mmlu"
     with RunFolder(out, command, {"command": command}, overwrite=True) as folder:

@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # threads made some modules ~20x slower (50 s instead of 3 s). One thread for the whole run.
 torch.set_num_threads(1)
 
-from lora_eval.engine import EngineOptions
+from lora_eval.engine.engine import EngineOptions
 from tests.builders import save_random_model
 
 # 2I (16) != H (32) and I != H, so a transposed or swapped expert factor cannot pass by coincidence

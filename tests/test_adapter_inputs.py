@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from lora_eval.adapters import load_adapter
 from lora_eval.cli import cli
 from lora_eval.models import load_model
-from lora_eval.trainer import dump_reference
+from lora_eval.tasks.dump_reference import dump_reference
 from tests.builders import (
     random_sequences,
     save_random_model,

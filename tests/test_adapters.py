@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.forward import Forward
+from lora_eval.engine.forward import Forward
 from lora_eval.models import load_model
 from tests.builders import (
     hf_logprobs,

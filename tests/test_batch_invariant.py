@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from lora_eval import Batch, Engine
 from lora_eval.cli import cli
-from lora_eval.demo import build_demo
+from lora_eval.tasks.demo import build_demo
 from lora_eval.kernels.linear import pointwise_in_blocks
 from tests.builders import FAMILIES, save_random_model, save_random_peft_adapter_any
 from tests.cli_checks import assert_input_error

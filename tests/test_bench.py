@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.bench import (bench, make_peft_adapters, random_hf_model, read_model_config, small_config,
+from lora_eval.tasks.bench import (bench, make_peft_adapters, random_hf_model, read_model_config, small_config,
                              time_interleaved, warm_up)
 from lora_eval.cli import cli
 from lora_eval.errors import InputError

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from lora_eval.cli import cli
 from lora_eval.errors import InputError
 from lora_eval.models import load_model
-from lora_eval.plan import plan
+from lora_eval.engine.plan import plan
 from tests.builders import save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
 from tests.conftest import MOE_OVERRIDES
@@ -466,7 +466,7 @@ def test_max_position_embeddings_is_an_integer_of_at_least_2(good, tmp_path, val
 
 
 def test_samples_longer_than_max_position_embeddings_are_named():
-    from lora_eval.inputs import check_lengths
+    from lora_eval.inputs.checks import check_lengths
 
     check_lengths([3, 8], ["a", "b"], 8, "ref.parquet")
     check_lengths([10**6], ["a"], None, "ref.parquet")  # the config names none

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lora_eval.cli import cli
-from lora_eval.inspection import COLUMNS, inspect_adapters
+from lora_eval.tasks.inspect_adapters import COLUMNS, inspect_adapters
 from tests.builders import load_hf, save_random_model, save_random_peft_adapter, write_expert_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
 from tests.conftest import MOE_OVERRIDES

@@ -31,15 +31,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from lora_eval.batching import make_batches, padding_waste
+from lora_eval.engine.batching import make_batches, padding_waste
 from lora_eval.cli import cli
-from lora_eval.compare import compare
-from lora_eval.engine import Engine
+from lora_eval.tasks.compare import compare
+from lora_eval.engine.engine import Engine
 from lora_eval.errors import InputError
-from lora_eval.metrics import FRACTION_THRESHOLDS, group_metrics, token_metrics
-from lora_eval.references import read_reference, write_reference
-from lora_eval.results import COMPARE_SUMMARY_COLUMNS as SUMMARY_COLUMNS
-from lora_eval.trainer import dump_reference
+from lora_eval.results.metrics import FRACTION_THRESHOLDS, group_metrics, token_metrics
+from lora_eval.inputs.references import read_reference, write_reference
+from lora_eval.results.tables import COMPARE_SUMMARY_COLUMNS as SUMMARY_COLUMNS
+from lora_eval.tasks.dump_reference import dump_reference
 from tests.builders import hf_logprobs, load_hf, peft_oracle, random_sequences, save_random_peft_adapter, \
     write_expert_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback, assert_phases

@@ -40,15 +40,15 @@ from safetensors.torch import load_file, save_file
 
 from lora_eval import Batch, Engine, EngineOptions, InputError, diagnose
 from lora_eval.cli import cli
-from lora_eval.diagnose import FACTOR, first_divergence, noise_floor
-from lora_eval.diagnose_report import diagnose_report_files
-from lora_eval.engine import read_adapters
-from lora_eval.forward import Forward
-from lora_eval.metrics import token_metrics
+from lora_eval.tasks.diagnose.task import FACTOR, first_divergence, noise_floor
+from lora_eval.render.diagnose import diagnose_report_files
+from lora_eval.engine.engine import read_adapters
+from lora_eval.engine.forward import Forward
+from lora_eval.results.metrics import token_metrics
 from lora_eval.models import load_model
-from lora_eval.one_layer import LayerLoader
-from lora_eval.references import read_reference, write_reference
-from lora_eval.results import read_diagnose
+from lora_eval.tasks.diagnose.one_layer import LayerLoader
+from lora_eval.inputs.references import read_reference, write_reference
+from lora_eval.results.tables import read_diagnose
 from tests.builders import FAMILIES, peft_oracle, random_sequences, save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback, assert_phases
 from tests.conftest import CPU, MOE_OVERRIDES
@@ -412,7 +412,7 @@ def test_a_killed_run_resumes_to_the_same_files(art, tmp_path, monkeypatch):
     kwargs = dict(options=CPU, samples=SAMPLES, layer_by_layer=True, quiet=True, notice=lambda s: None)
     whole = tmp_path / "whole"
     diagnose(art.model, art.adapters, [art.ref_path], out=whole, **kwargs)
-    task = importlib.import_module("lora_eval.diagnose")  # the module (the package's `diagnose` is the function)
+    task = importlib.import_module("lora_eval.tasks.diagnose.task")  # the module (the package's `diagnose` is the function)
     effects, calls = task._effects, []
 
     def failing(*args):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora_eval.cli import _terminate as cli_terminate
-from lora_eval.demo import run_demo
+from lora_eval.tasks.demo import run_demo
 from lora_eval.distributed import PeerFailed, Ranks, assign
 from lora_eval.errors import InputError
 from tests.test_run_folders import art, compare_args, parts, record, tables, wait_for  # noqa: F401 (art: fixture)
@@ -33,7 +33,7 @@ from tests.test_run_folders import art, compare_args, parts, record, tables, wai
 ROOT = Path(__file__).resolve().parents[1]
 INJECT = '''import os
 if os.environ.get("RANK") == "1":  # rank 1's third batch fails
-    from lora_eval.engine import Engine
+    from lora_eval.engine.engine import Engine
     original, calls = Engine.start_logprobs, []
 
     def failing(self, batch):

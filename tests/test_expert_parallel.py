@@ -26,9 +26,9 @@ import torch.multiprocessing as mp
 from click.testing import CliRunner
 
 from lora_eval import Batch, Engine, EngineOptions
-from lora_eval.checkpoint import TensorDict, TensorFiles
+from lora_eval.models.checkpoint import TensorDict, TensorFiles
 from lora_eval.cli import cli
-from lora_eval.expert_parallel import ExpertShard, shares
+from lora_eval.engine.expert_parallel import ExpertShard, shares
 from tests.builders import random_sequences, save_quantized_copy, save_random_model, save_random_peft_adapter, \
     save_random_peft_adapter_any, write_expert_adapter
 from tests.cli_checks import assert_input_error

@@ -39,13 +39,13 @@ from safetensors.torch import load_file, save_file
 import lora_eval
 from lora_eval import Batch, Engine
 from lora_eval.cli import cli
-from lora_eval.compare import GATE_ROWS, GATE_TOKENS, gate_sample
-from lora_eval.metrics import NOISE_ULPS, sampler_floor
-from lora_eval.references import write_reference
+from lora_eval.tasks.compare import GATE_ROWS, GATE_TOKENS, gate_sample
+from lora_eval.results.metrics import NOISE_ULPS, sampler_floor
+from lora_eval.inputs.references import write_reference
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
 
-compare_module = importlib.import_module("lora_eval.compare")  # the module (the package exports its function)
+compare_module = importlib.import_module("lora_eval.tasks.compare")  # the module (the package exports its function)
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96  # tests.builders' tiny vocabulary
 ROWS_PER_TAG = 12  # more than GATE_ROWS: the row cap bites

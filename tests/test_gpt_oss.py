@@ -38,7 +38,7 @@ from lora_eval.adapters import load_adapter
 from lora_eval.cli import cli
 from lora_eval.kernels.fused_moe import activation_ref
 from lora_eval.models import load_model
-from lora_eval.trainer import merged_copy
+from lora_eval.tasks.dump_reference import merged_copy
 from tests.builders import ADAPTER_STRENGTH, hf_logprobs, random_sequences, save_random_model, \
     save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback

@@ -40,14 +40,14 @@ from peft import LoraConfig, get_peft_model
 import lora_eval
 from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
-from lora_eval.mmlu import subject_prefixes
-from lora_eval.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
-from lora_eval.mmlu_prompts import answer_tokens, encode, prompts, tokenize, tokenize_prompts
-from lora_eval.mmlu_tokenize import TokenizeBeside
-from lora_eval.mmlu_stats import mcnemar_p, paired_interval, passes
-from lora_eval.results import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
-from lora_eval.results import QUESTION_COLUMNS, SUBJECT_COLUMNS
-from lora_eval.tokenizer import load_tokenizer
+from lora_eval.tasks.mmlu.task import subject_prefixes
+from lora_eval.inputs.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
+from lora_eval.tasks.mmlu.prompts import answer_tokens, encode, prompts, tokenize, tokenize_prompts
+from lora_eval.tasks.mmlu.tokenize import TokenizeBeside
+from lora_eval.results.mmlu_stats import mcnemar_p, paired_interval, passes
+from lora_eval.results.tables import MMLU_SUMMARY_COLUMNS as SUMMARY_COLUMNS
+from lora_eval.results.tables import QUESTION_COLUMNS, SUBJECT_COLUMNS
+from lora_eval.inputs.tokenizer import load_tokenizer
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback, assert_phases
 from tests.conftest import CPU, MOE_OVERRIDES
@@ -65,7 +65,7 @@ ORACLE_TOL = 1e-5  # our float32 engine vs transformers float32
 # one subject per category, short dev examples; the first RIG_LIMIT questions of each
 RIG_SUBJECTS = ["abstract_algebra", "global_facts", "high_school_geography", "philosophy"]
 RIG_LIMIT = 8
-mmlu_task = importlib.import_module("lora_eval.mmlu")  # the module (lora_eval.mmlu is also the function)
+mmlu_task = importlib.import_module("lora_eval.tasks.mmlu.task")  # the module (lora_eval.tasks.mmlu.task is also the function)
 
 
 # ---- builders ----------------------------------------------------------------------------------------

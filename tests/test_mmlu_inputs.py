@@ -26,12 +26,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lora_eval.formatting import thresholds_sentence
-from lora_eval.metrics import check_thresholds, group_metrics
-from lora_eval.mmlu_data import LETTERS, read_split
-from lora_eval.mmlu_stats import MIN_SIGNIFICANT, question_table, significant_subjects, subject_table, summary_table
-from lora_eval.report import render_report
-from lora_eval.results import CompareResult, MmluResult
+from lora_eval.render.formatting import thresholds_sentence
+from lora_eval.results.metrics import check_thresholds, group_metrics
+from lora_eval.inputs.mmlu_data import LETTERS, read_split
+from lora_eval.results.mmlu_stats import MIN_SIGNIFICANT, question_table, significant_subjects, subject_table, summary_table
+from lora_eval.render.files import render_report
+from lora_eval.results.tables import CompareResult, MmluResult
 from tests.cli_checks import assert_input_error
 from tests.test_mmlu import DATA, copy_subjects, run_cli, select, write_cais_parquet, write_saved_dataset
 

@@ -296,7 +296,7 @@ def _no_tensor_reads(self, key, *args, **kwargs):
 
 def test_meta_load_reads_no_tensor(moe_model, monkeypatch):
     reference = load_model(moe_model)
-    monkeypatch.setattr("lora_eval.checkpoint.TensorFiles.get", _no_tensor_reads)
+    monkeypatch.setattr("lora_eval.models.checkpoint.TensorFiles.get", _no_tensor_reads)
     meta = load_model(moe_model, device="meta")
     assert meta.args == reference.args
     shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
@@ -322,7 +322,7 @@ def test_meta_load_still_checks_shapes(moe_model, tmp_path, monkeypatch):
     """config.json describing bigger experts than stored is caught without reading any tensor."""
     bigger = MOE_OVERRIDES["moe_intermediate_size"] + 4
     model_dir = copy_with_config(moe_model, tmp_path / "ckpt", moe_intermediate_size=bigger)
-    monkeypatch.setattr("lora_eval.checkpoint.TensorFiles.get", _no_tensor_reads)
+    monkeypatch.setattr("lora_eval.models.checkpoint.TensorFiles.get", _no_tensor_reads)
     with pytest.raises(InputError) as info:
         load_model(model_dir, device="meta")
     assert ".mlp.experts." in str(info.value) and "shape" in str(info.value)

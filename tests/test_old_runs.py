@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lora_eval import compare, mmlu, read_run
-from lora_eval.engine import Engine, EngineOptions
-from lora_eval.runfolder import versions
+from lora_eval.engine.engine import Engine, EngineOptions
+from lora_eval.results.runfolder import versions
 
 OLD = Path(__file__).parent / "data" / "runs-10ede6b"
 OPTIONS = EngineOptions(device="cpu", dtype="float32")

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_eval.cli import cli
-from lora_eval.plan import GB, model_parameters, plan
+from lora_eval.engine.plan import GB, model_parameters, plan
 from tests.cli_checks import assert_input_error
 
 CONFIGS = Path("/work/shared/data/model-configs")

@@ -32,9 +32,9 @@ import torch
 
 import lora_eval
 from lora_eval import Batch, Engine
-from lora_eval.engine import DTYPES
-from lora_eval.prefixes import grouped_order, prefix_bytes_per_token, shared_prefix_lengths
-from lora_eval.references import write_reference
+from lora_eval.engine.engine import DTYPES
+from lora_eval.engine.prefixes import grouped_order, prefix_bytes_per_token, shared_prefix_lengths
+from lora_eval.inputs.references import write_reference
 from tests.builders import save_random_model, save_random_peft_adapter_any
 from tests.conftest import CPU, MOE_OVERRIDES
 

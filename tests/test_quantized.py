@@ -34,12 +34,12 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import lora_eval
 from lora_eval import Batch, Engine, InputError, UnsupportedError
-from lora_eval.checkpoint import TensorFiles
+from lora_eval.models.checkpoint import TensorFiles
 from lora_eval.cli import cli
 from lora_eval.models import load_model
 from lora_eval.models.gpt_oss import to_our_layout
-from lora_eval.quantized import QuantizedFiles, dequantize_fp8, dequantize_mxfp4, read_quantization
-from lora_eval.references import write_reference
+from lora_eval.models.quantized import QuantizedFiles, dequantize_fp8, dequantize_mxfp4, read_quantization
+from lora_eval.inputs.references import write_reference
 from tests.builders import GPT_OSS_NOT_CONVERTED, dequantize_fp8_loop, hf_logprobs, quantize_fp8_blocks, \
     random_sequences, save_quantized_copy, save_random_model, save_random_peft_adapter
 from tests.cli_checks import assert_input_error

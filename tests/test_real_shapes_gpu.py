@@ -37,10 +37,10 @@ from safetensors.torch import save_file
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.bench import ADAPTER_STRENGTH, make_peft_adapters, randomise_weights
+from lora_eval.tasks.bench import ADAPTER_STRENGTH, make_peft_adapters, randomise_weights
 from lora_eval.cli import cli
 from lora_eval.models import load_model
-from lora_eval.references import write_reference
+from lora_eval.inputs.references import write_reference
 from tests.builders import HF_MODEL_CLASSES
 from tests.test_deepseek_v3 import PUBLISHED as DEEPSEEK_PUBLISHED
 from tests.test_qwen3_vl_moe import PUBLISHED as QWEN3_VL_PUBLISHED

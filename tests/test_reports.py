@@ -10,7 +10,7 @@
    draws its histogram's counts;
 5. JUnit: structure and counts, and a failing adapter (a known shift) as failed testcases with its numbers;
 6. worst tokens: the right tokens, token text and context on hand-made data;
-7. MMLU: HTML, JUnit and re-rendering of a small synthetic run written by lora_eval.mmlu;
+7. MMLU: HTML, JUnit and re-rendering of a small synthetic run written by lora_eval.tasks.mmlu.task;
 8. the example notebook executes (nbclient);
 9. .ci/run and the workflow run the same regression command.
 """
@@ -34,13 +34,13 @@ from click.testing import CliRunner
 
 from lora_eval import golden, plots
 from lora_eval.cli import cli
-from lora_eval.compare import worst_tokens
-from lora_eval.formatting import display_table
-from lora_eval.junit import compare_junit, mmlu_junit
-from lora_eval.mmlu_stats import question_table, subject_table, summary_table
-from lora_eval.references import read_reference, write_reference
-from lora_eval.report import phase_times, render
-from lora_eval.results import COMPARE_SUMMARY_COLUMNS, MmluResult, Phases, read_run
+from lora_eval.tasks.compare import worst_tokens
+from lora_eval.render.formatting import display_table
+from lora_eval.render.junit import compare_junit, mmlu_junit
+from lora_eval.results.mmlu_stats import question_table, subject_table, summary_table
+from lora_eval.inputs.references import read_reference, write_reference
+from lora_eval.render.files import phase_times, render
+from lora_eval.results.tables import COMPARE_SUMMARY_COLUMNS, MmluResult, Phases, read_run
 from tests.cli_checks import assert_input_error, assert_no_traceback, save_run
 from tests.test_distributed import demo, demo_compare  # noqa: F401 - demo is a fixture
 
@@ -506,8 +506,8 @@ def test_decoder_equals_transformers_decode(tmp_path, seed, kind):
     tokens kept, no clean-up) for random ids, special ones among them; None without a readable tokenizer."""
     from transformers import AutoTokenizer
 
-    from lora_eval.demo import build_tokenizer
-    from lora_eval.tokenizer import load_decoder
+    from lora_eval.tasks.demo import build_tokenizer
+    from lora_eval.inputs.tokenizer import load_decoder
 
     build_tokenizer(tmp_path) if kind == "byte-level-bpe" else _wordpiece_tokenizer(tmp_path)
     oracle = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
@@ -594,7 +594,7 @@ MMLU_SUBJECTS = ("abstract_algebra", "astronomy", "philosophy", "world_religions
 
 
 def write_mmlu_run(out: Path, rng, max_drop: float = 5.0):
-    """A small synthetic MMLU run folder written by lora_eval.mmlu's own table and file functions: base, an
+    """A small synthetic MMLU run folder written by lora_eval.tasks.mmlu.task's own table and file functions: base, an
     adapter close to base ('good') and one that turns a third of base's right answers wrong ('bad')."""
     counts = rng.integers(12, 30, len(MMLU_SUBJECTS))
     questions = pd.DataFrame(dict(subject=np.repeat(MMLU_SUBJECTS, counts),
@@ -662,7 +662,7 @@ def test_mmlu_html_junit_and_rerendering(tmp_path, seed):
 
 
 def test_mmlu_command_writes_junit(tmp_path, seed, monkeypatch):
-    """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.mmlu's, replaced here by
+    """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.tasks.mmlu.task's, replaced here by
     a synthetic result so no model runs)."""
     result = write_mmlu_run(tmp_path / "run", np.random.default_rng(seed))
     monkeypatch.setattr(importlib.import_module("lora_eval.commands"), "mmlu", lambda *args, **kwargs: result)

@@ -9,12 +9,11 @@
 4. re-runs: the same inputs recompute nothing and exit with the stored code; other inputs exit 2 and change
    nothing; --overwrite replaces; a kill between the last write and the rename is finished by the next run;
 5. dump-reference: the file appears whole, resumes, and defaults prompts without an adapter;
-6. the package's import graph has no cycle, and our modules are imported at the top of the file.
+6. every command's help states the exit codes and gives examples (the package's shape: test_layers.py).
 """
 
 from __future__ import annotations
 
-import ast
 import fcntl
 import json
 import os
@@ -36,9 +35,9 @@ from safetensors.torch import save_file
 import lora_eval
 from lora_eval import Engine, read_run
 from lora_eval.cli import cli
-from lora_eval.references import write_reference
-from lora_eval.report import report_files
-from lora_eval.runfolder import InputDigests, RunFolder, config_digest, file_digest, weights_digest
+from lora_eval.inputs.references import write_reference
+from lora_eval.render.files import report_files
+from lora_eval.results.runfolder import InputDigests, RunFolder, config_digest, file_digest, weights_digest
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
 
@@ -51,7 +50,7 @@ GATE = '''import os
 import time
 
 if os.environ.get("LORA_EVAL_TEST_GATE"):  # the run holding the lock waits before its first batch for the gate file
-    from lora_eval.engine import Engine
+    from lora_eval.engine.engine import Engine
     original = Engine.start_logprobs
 
     def gated(self, batch):
@@ -559,7 +558,7 @@ def test_dump_reference_resumes_and_writes_whole(art, tmp_path, monkeypatch):
     prompts = prompts_file(art, tmp_path / "prompts.jsonl")
     whole = tmp_path / "whole.parquet"
     assert run_cli(*dump_args(art, prompts, whole)).exit_code == 0
-    module = sys.modules["lora_eval.trainer"]
+    module = sys.modules["lora_eval.tasks.dump_reference"]
     original, calls = module._sequence_logprobs, []
 
     def failing(*args):
@@ -619,62 +618,7 @@ def test_dump_reference_bad_prompts(art, tmp_path, no_model):
         assert snapshot(tmp_path) == before
 
 
-# ---- 6. the package's shape ------------------------------------------------------------------------------
-
-
-def module_name(path: Path) -> str:
-    """lora_eval.x.y for a file of the package (kernels/ and runners/ are lora_eval.kernels / lora_eval.runners)."""
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    parts = ("lora_eval", *parts) if parts[0] in ("kernels", "runners") else parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def package_imports(path: Path, modules: set[str]) -> tuple[set[str], list[str]]:
-    """The package's modules a file imports (anywhere in it), and those it imports inside a function."""
-    tree = ast.parse(path.read_text())
-    name = module_name(path)
-    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-              for n in ast.walk(f)}
-    found, local = set(), []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("lora_eval")):
-            continue
-        origin = ".".join(here[:len(here) - node.level + 1]) if node.level else ""
-        target = ".".join(p for p in (origin, node.module or "") if p)
-        names = {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
-        found |= names
-        if id(node) in inside:
-            local += sorted(names)
-    return found, local
-
-
-def test_the_import_graph_has_no_cycle_and_imports_sit_at_the_top():
-    paths = [*ROOT.joinpath("lora_eval").rglob("*.py"), *ROOT.joinpath("kernels").glob("*.py"),
-             *ROOT.joinpath("runners").glob("*.py")]
-    modules = {module_name(p): p for p in paths}
-    graph, deferred = {}, []
-    for name, path in modules.items():
-        found, local = package_imports(path, set(modules))
-        graph[name] = found & set(modules) - {name}
-        # the Triton kernels and CUDA-graph runner are the one optional heavy dependency a module may defer
-        deferred += [(name, m) for m in local if not m.startswith(("lora_eval.kernels", "lora_eval.runners"))]
-    assert deferred == []
-    assert graph["lora_eval.report"] >= {"lora_eval.results", "lora_eval.html_report"}  # the walk sees imports
-    state: dict[str, int] = {}
-
-    def visit(node, path):
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join([*path, node, nxt]))
-            if nxt not in state:
-                visit(nxt, [*path, node])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [])
+# ---- 6. the commands' help ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", ["compare", "mmlu", "dump-reference", "report", "inspect", "demo", "bench", "plan"])

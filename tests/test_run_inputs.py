@@ -37,8 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from lora_eval import Engine
 from lora_eval.cli import cli
-from lora_eval.references import SCHEMA, read_reference, write_reference
-from lora_eval.runfolder import RunFolder
+from lora_eval.inputs.references import SCHEMA, read_reference, write_reference
+from lora_eval.results.runfolder import RunFolder
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
 from tests.test_reports import write_mmlu_run
@@ -87,7 +87,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(Engine, "load", refuse)
-    monkeypatch.setattr(sys.modules["lora_eval.trainer"], "_logprobs", refuse)
+    monkeypatch.setattr(sys.modules["lora_eval.tasks.dump_reference"], "_logprobs", refuse)
 
 
 def compare_args(art, out, *refs) -> list:
@@ -305,7 +305,7 @@ def test_dump_reference_leaves_no_dead_end(art, tmp_path, monkeypatch):
     that finished nothing is replaced (with a note), one that finished work names what to do."""
     prompts = good_prompts(tmp_path / "prompts.jsonl", art["seed"] + 10)
     out = tmp_path / "ref.parquet"
-    module = sys.modules["lora_eval.trainer"]
+    module = sys.modules["lora_eval.tasks.dump_reference"]
     original = module._sequence_logprobs
 
     def failing(*args):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_eval import Batch, Engine
-from lora_eval.batching import make_batches
+from lora_eval.engine.batching import make_batches
 from lora_eval.models import load_model
 from lora_eval.runners.graphs import MIN_LENGTH, BucketPlan, pad_to_bucket, round_length, round_rows
 from tests.builders import random_sequences

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from lora_eval.svg import Figure, Scale, nice_ticks
+from lora_eval.render.svg import Figure, Scale, nice_ticks
 
 NS = "{http://www.w3.org/2000/svg}"
 

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import read_json
 from ..errors import InputError, UnsupportedError
+from ..models.checkpoint import read_json
 
 # Settings that only matter for training or initialisation: inference ignores them (init_lora_weights is checked
 # below: some of its values mean a different base model).

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import TensorFiles
 from ..errors import InputError, UnsupportedError
 from ..models import FAMILIES
+from ..models.checkpoint import TensorFiles
 from ..models.layers import deinterleave_gate_up
 from .config import AdapterConfig
 from .targets import EXPERT_PROJ, EXPERT_PROJ_3D, Sites, kind_of, layer_of, resolve_targets

@@ -1,6 +1,6 @@
 """Model families and checkpoint loading: config.json -> family -> our model code with the checkpoint's weights
 (or with in-memory tensors: `load_model_from_tensors`). Quantized checkpoints (MXFP4, block FP8) are dequantised
-on load by lora_eval/quantized.py; `model.args.quantization` then says which numerics the run emulates."""
+on load by models/quantized.py; `model.args.quantization` then says which numerics the run emulates."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import TensorDict, TensorFiles, check_finite, check_finite_numbers, read_json
 from ..errors import InputError, UnsupportedError
-from ..quantized import QuantizedFiles, read_quantization
 from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3, qwen3_vl_moe
+from .checkpoint import TensorDict, TensorFiles, check_finite, check_finite_numbers, read_json
 from .layers import Linear, group_projections
+from .quantized import QuantizedFiles, read_quantization
 
 # model_type in config.json -> the module holding that family's ModelArgs, CausalLM and load_weights
 FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, gpt_oss, glm4_moe, qwen3_vl_moe,
@@ -25,7 +25,7 @@ NOT_WEIGHTS = ("rotary_emb.inv_freq",)
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                experts=None):
     """Our model for the local Hugging Face checkpoint folder `model_dir`, weights in compute `dtype` on `device`;
-    with `experts` (lora_eval.expert_parallel.ExpertParallel), only this rank's share of the routed experts."""
+    with `experts` (lora_eval.engine.expert_parallel.ExpertParallel), only this rank's share of the routed experts."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(model_dir, "model folder not found")
@@ -53,7 +53,7 @@ def family_and_args(config: dict, where):
 
 
 def _family_args_quantization(config: dict, where):
-    """(family module, its ModelArgs, lora_eval.quantized.Quantization or None) for `config`."""
+    """(family module, its ModelArgs, lora_eval.models.quantized.Quantization or None) for `config`."""
     check_finite_numbers(config, where)
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
@@ -69,7 +69,7 @@ def _family_args_quantization(config: dict, where):
 
 def _build(family, args, files, dtype: torch.dtype, device: str | torch.device, quant=None, experts=None):
     """Our model of `args` with every weight read from `files` (TensorFiles or TensorDict), dequantised per
-    `quant` (lora_eval.quantized.Quantization) where stored quantized."""
+    `quant` (lora_eval.models.quantized.Quantization) where stored quantized."""
     with torch.device("meta"):
         model = family.CausalLM(args)
     if experts is not None:  # expert parallel: this rank's experts, read alone

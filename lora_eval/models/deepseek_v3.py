@@ -46,9 +46,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from . import qwen3
+from .checkpoint import check_weight, read_weight
 from .layers import (EPSILON_BELOW, FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing,
                      read_max_positions, rope_number, rope_parameters, yarn_mscale, yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq

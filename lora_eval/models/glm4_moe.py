@@ -34,9 +34,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..checkpoint import check_weight, read_weight
 from ..errors import InputError
 from . import qwen3
+from .checkpoint import check_weight, read_weight
 from .layers import FusedExperts, Linear, group_topk_sigmoid_routing, rope_parameters
 from .layers import rope_inv_freq as default_rope_inv_freq
 

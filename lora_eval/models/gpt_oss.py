@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..checkpoint import check_weight, read_weight
 from ..errors import InputError
 from . import qwen3
+from .checkpoint import check_weight, read_weight
 from .layers import (EPSILON_BELOW, FusedExperts, Linear, RMSNorm, config_reader, deinterleave_gate_up,
                      read_max_positions, rope_parameters, yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq

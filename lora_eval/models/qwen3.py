@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
+from .checkpoint import check_weight, read_weight
 from .layers import (EPSILON_BELOW, Embedding, FusedExperts, Linear, RMSNorm, config_reader, read_layer_list,
                      read_layer_types, read_max_positions, rope_cos_sin, rope_inv_freq)
 

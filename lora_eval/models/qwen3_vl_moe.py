@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..checkpoint import check_weight, read_weight
 from ..errors import InputError, UnsupportedError
 from . import qwen3
+from .checkpoint import check_weight, read_weight
 from .layers import Embedding, Linear, RMSNorm, rope_parameters
 
 MODEL_TYPES = ("qwen3_vl_moe",)

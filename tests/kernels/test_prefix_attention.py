@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_eval.forward import row_attention, sink_attention
+from lora_eval.engine.forward import row_attention, sink_attention
 from lora_eval.kernels.prefix_attention import (PrefixTable, heads_per_program, one_prefix, prefix_addresses,
                                                 prefix_attention, prefix_attention_ref)
 from lora_eval.kernels.tiles import PREFIX_ATTENTION_TILES
