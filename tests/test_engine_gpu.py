@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lora_eval import Batch, Engine
-from lora_eval import forward
+from lora_eval.engine import forward
 from lora_eval.adapters import load_adapter
 from lora_eval.kernels import dense_lora, head_norm_rope
 from lora_eval.models import load_model

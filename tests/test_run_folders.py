@@ -676,3 +676,13 @@ def test_input_digests_name_every_input_and_see_every_change(tmp_path):
     assert InputDigests(model, {"a": adapter}, {"reference 0/ref.parquet": data}).result() == found  # PEFT's sets
     with pytest.raises(FileNotFoundError):
         InputDigests(None, None, {"gone": tmp_path / "gone.parquet"}).result()
+
+
+def test_a_fifo_among_the_inputs_is_never_opened(tmp_path):
+    """A named input that is not a regular file (a fifo: opening it blocks until a writer comes) is not opened by its
+    digest's thread, which would hold the process's exit; its digest fails instead, naming it."""
+    fifo = tmp_path / "ref.parquet"
+    os.mkfifo(fifo)
+    digests = InputDigests(None, None, {"reference 0/ref.parquet": fifo})
+    with pytest.raises(lora_eval.InputError, match="not a regular file"):
+        digests.result()

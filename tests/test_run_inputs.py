@@ -39,6 +39,7 @@ from lora_eval import Engine
 from lora_eval.cli import cli
 from lora_eval.inputs.references import SCHEMA, read_reference, write_reference
 from lora_eval.results.runfolder import RunFolder
+from lora_eval.tasks.dump_reference import DumpReferenceTask
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
 from tests.test_reports import write_mmlu_run
@@ -87,7 +88,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(Engine, "load", refuse)
-    monkeypatch.setattr(sys.modules["lora_eval.tasks.dump_reference"], "_logprobs", refuse)
+    monkeypatch.setattr(DumpReferenceTask, "run", refuse)
 
 
 def compare_args(art, out, *refs) -> list:

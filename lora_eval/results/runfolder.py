@@ -283,7 +283,10 @@ class InputDigests:
             if Path(folder).is_dir():
                 jobs += [(f"adapter {name}/{p.name}", _adapter_file_digest, p)
                          for p in sorted(Path(folder).glob("adapter_*")) if p.is_file()]
-        jobs += [(name, file_digest, Path(path)) for name, path in (files or {}).items()]
+        # a named file that is not a regular file (a fifo would block its thread, and the process's exit, on open) is
+        # never opened: its digest fails, which the task's own reading of it reports first
+        jobs += [(name, _not_a_file if Path(path).exists() and not Path(path).is_file() else file_digest, Path(path))
+                 for name, path in (files or {}).items()]
         self.prefix = prefix
         pool = ThreadPoolExecutor(max_workers=max(1, min(4, len(jobs))), thread_name_prefix="lora-eval-digest")
         self._futures = {name: pool.submit(fn, path) for name, fn, path in jobs}
@@ -291,6 +294,10 @@ class InputDigests:
 
     def result(self) -> dict[str, str]:
         return {f"{self.prefix}{name}": future.result() for name, future in self._futures.items()}
+
+
+def _not_a_file(path: Path) -> str:
+    raise InputError(path, "not a regular file")
 
 
 def versions(*extra: str) -> dict[str, str]:

@@ -27,7 +27,6 @@ import pandas as pd
 import torch
 
 from ..adapters import Adapter
-from ..distributed import Ranks, together
 from ..engine.batching import batches_in_order, make_batches, padding_waste
 from ..engine.engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from ..engine.plan import check_fits
@@ -39,10 +38,10 @@ from ..inputs.tokenizer import load_decoder
 from ..names import BASE, OVERALL
 from ..render.files import report_files
 from ..results.metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
-from ..results.runfolder import InputDigests, RunFolder, check_out, fingerprint, now, run_inputs, versions
-from ..results.tables import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, Phases, no_gates,
-                      read_run, table_files)
-from ..runners.compile_clock import COMPILE_CLOCK
+from ..results.runfolder import Work, run_inputs
+from ..results.tables import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, no_gates,
+                              read_run, table_files)
+from .run import Hashed, Plan, Run, Task, Units, run_task
 
 CONTEXT_TOKENS = 12  # tokens of context shown before a worst token
 # The adapter applied gate runs at most this many rows / tokens of each adapter again under the base model: a few
@@ -58,167 +57,192 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             overwrite: bool = False, engine: Engine | None = None, notice=print) -> CompareResult:
     """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write) the
     summary, per-sample and per-token tables and the gates. `references` holds paths or (adapter name, path) pairs.
-    With `out`, the run is a run folder (runfolder.py): a complete run of the same inputs there is returned as saved,
-    without recomputing; a partial one is resumed; another run there is refused unless `overwrite`. `engine`: an
-    engine already built (its adapters replace `adapters`; `model` then supplies config and tokenizer).
+    With `out`, the run is a run folder (results/runfolder.py): a complete run of the same inputs there is returned as
+    saved, without recomputing; a partial one is resumed; another run there is refused unless `overwrite`. `engine`:
+    an engine already built (its adapters replace `adapters`; `model` then supplies config and tokenizer).
     Gates: `check_adapters` fails an adapter that changes nothing (its files, then a sample of its rows run again
     under the base model); `max_k2_over_floor` fails a row whose k2 exceeds that many times the sampler's noise
     floor in the references (off when they carry no sampler logprobs)."""
-    phases = Phases()
-    ranks = Ranks.from_env()
-    with together(ranks):  # every rank checks the same inputs; one line says what is wrong
-        options = (options or EngineOptions()).resolved()
-        adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
-        max_k2 = threshold(max_k2, "--max-k2")
-        max_mean_abs_diff = threshold(max_mean_abs_diff, "--max-mean-abs-diff")
-        max_k2_over_floor = threshold(max_k2_over_floor, "--max-k2-over-floor")
-        if not isinstance(check_adapters, bool):
-            raise InputError("check_adapters", f"expected True or False, found {check_adapters!r}")
-        batch_tokens = positive_int(batch_tokens, "--batch-tokens")
-        if not references:
+    task = CompareTask(model, adapters, references, options=options, batch_tokens=batch_tokens, max_k2=max_k2,
+                       max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
+                       check_adapters=check_adapters, engine=engine)
+    return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
+
+
+class CompareTask(Task):
+    """compare through the run protocol (tasks/run.py). Units: the reference batches, then the adapter applied
+    gate's base re-runs."""
+
+    command = "compare"
+
+    def __init__(self, model, adapters, references, *, options, batch_tokens, max_k2, max_mean_abs_diff,
+                 max_k2_over_floor, check_adapters, engine):
+        self.model, self.adapters, self.references, self.options = model, adapters, references, options
+        self.batch_tokens, self.check_adapters, self.engine = batch_tokens, check_adapters, engine
+        self.max_k2, self.max_mean_abs_diff, self.max_k2_over_floor = max_k2, max_mean_abs_diff, max_k2_over_floor
+
+    def check(self, run: Run) -> dict:
+        self.options = (self.options or EngineOptions()).resolved()
+        self.adapters = adapter_names(self.adapters if self.engine is None
+                                      else {a.name: a.path for a in self.engine.adapters})
+        self.max_k2 = threshold(self.max_k2, "--max-k2")
+        self.max_mean_abs_diff = threshold(self.max_mean_abs_diff, "--max-mean-abs-diff")
+        self.max_k2_over_floor = threshold(self.max_k2_over_floor, "--max-k2-over-floor")
+        if not isinstance(self.check_adapters, bool):
+            raise InputError("check_adapters", f"expected True or False, found {self.check_adapters!r}")
+        self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")
+        if not self.references:
             raise InputError("--reference", "at least one reference dump is needed")
-        out = check_out(out, inputs=run_inputs(model, adapters, reference=list(references)))
-        arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                         references=[reference_arg(r) for r in references], batch_tokens=batch_tokens, max_k2=max_k2,
-                         max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
-                         check_adapters=check_adapters)
-    with RunFolder(out, "compare", overwrite=overwrite, notice=notice, ranks=ranks) as folder:  # the lock, first
-        with together(ranks):
-            with phases("read"):  # the references, read and checked, and the work planned from their token ids
-                args = model_config(model)[1]
-                refs = _read_references(references, adapters, args.vocab_size)
-                for file, rows in refs.groupby("file", sort=False):  # no sample beyond the model's positions
-                    check_lengths(rows["input_ids"].map(len), rows["sample_id"], args.max_position_embeddings, file)
-                digests = InputDigests(model, adapters, reference_inputs(references))  # (result() below)
-                lengths = [len(ids) for ids in refs["input_ids"]]
-                use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
-                prefix, group = sample_prefixes(refs) if use_prefixes else ([0] * len(refs), [0] * len(refs))
-                suffix = [n - p for n, p in zip(lengths, prefix)]  # tokens a row runs itself
-            with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
-                if engine is None:  # (the prefix cache's bound counts where samples share prefixes)
-                    check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                               ranks.world if ranks and options.expert_parallel else 1,
-                               options.prefix_cache_memory if any(prefix) else 0)
-                parsed = None if engine is not None else read_adapters(model, adapters, options)
-                static = unchanged_adapters(parsed if engine is None else engine.adapters) if check_adapters else {}
-            with phases("read"):
-                if use_prefixes:  # groups chunked as the prefix cache holds them (prefixes.grouped_order)
-                    per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
-                    group_bytes = {g: p * per_token for g, p in zip(group, prefix)}
-                    cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
-                    batches = batches_in_order(grouped_order(suffix, group, group_bytes, cache), suffix, batch_tokens)
-                else:
-                    batches = make_batches(lengths, batch_tokens)
-                # the adapter applied gate's base re-runs: more units of the same work (resumed and shared out alike)
-                sampled = gate_sample(refs, list(adapters)) if check_adapters else {}
-                gate_rows = [i for rows in sampled.values() for i in rows]
-                gate_batches = [[gate_rows[j] for j in b] for b in make_batches([suffix[i] for i in gate_rows],
-                                                                                   batch_tokens)]
-                units = batches + gate_batches
-            task_options = dict(options.record(), batch_tokens=batch_tokens, max_k2=max_k2,
-                                max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
-                                adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
-                                if check_adapters else None, prefix_cache=use_prefixes,
-                                engine="given" if engine is not None else "loaded")
-            with phases("read"):  # the inputs' fingerprints (references whole, weights sampled), hashed meanwhile
-                files = digests.result()
-                package_versions = versions()
-        folder.open(fingerprint("compare", files, task_options, package_versions), dict(arguments=arguments))
-        if folder.stored is not None:
-            return read_run(out)
-        with phases("load"):
-            engine = engine or Engine.load(model, parsed, options)
+        run.arguments = dict(model=str(self.model), adapters={k: str(v) for k, v in self.adapters.items()},
+                             references=[reference_arg(r) for r in self.references], batch_tokens=self.batch_tokens,
+                             max_k2=self.max_k2, max_mean_abs_diff=self.max_mean_abs_diff,
+                             max_k2_over_floor=self.max_k2_over_floor, check_adapters=self.check_adapters)
+        return run_inputs(self.model, self.adapters, reference=list(self.references))
+
+    def plan(self, run: Run) -> Plan:
+        options, phases = self.options, run.phases
+        with phases("read"):  # the references, read and checked, and the work planned from their token ids
+            self.args = args = model_config(self.model)[1]
+            self.refs = refs = _read_references(self.references, self.adapters, args.vocab_size)
+            for file, rows in refs.groupby("file", sort=False):  # no sample beyond the model's positions
+                check_lengths(rows["input_ids"].map(len), rows["sample_id"], args.max_position_embeddings, file)
+            self.lengths = [len(ids) for ids in refs["input_ids"]]
+            self.use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
+            self.prefix, group = sample_prefixes(refs) if self.use_prefixes else ([0] * len(refs), [0] * len(refs))
+            self.suffix = [n - p for n, p in zip(self.lengths, self.prefix)]  # tokens a row runs itself
+        with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
+            if self.engine is None:  # (the prefix cache's bound counts where samples share prefixes)
+                check_fits(self.model, self.adapters, options.device, options.dtype, self.batch_tokens,
+                           run.ranks.world if run.ranks and options.expert_parallel else 1,
+                           options.prefix_cache_memory if any(self.prefix) else 0)
+            self.parsed = None if self.engine is not None else read_adapters(self.model, self.adapters, options)
+            self.static = unchanged_adapters(self.parsed if self.engine is None else self.engine.adapters) \
+                if self.check_adapters else {}
+        with phases("read"):
+            self._plan_units(group)
+        task_options = dict(options.record(), batch_tokens=self.batch_tokens, max_k2=self.max_k2,
+                            max_mean_abs_diff=self.max_mean_abs_diff, max_k2_over_floor=self.max_k2_over_floor,
+                            adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
+                            if self.check_adapters else None, prefix_cache=self.use_prefixes,
+                            engine="given" if self.engine is not None else "loaded")
+        return Plan(task_options, phase="read")
+
+    def hashed(self) -> list[Hashed]:
+        return [Hashed(self.model, self.adapters, reference_inputs(self.references))]  # (references whole)
+
+    def _plan_units(self, group: list) -> None:
+        """The batches, then the adapter applied gate's base re-runs: more units of the same work (resumed and
+        shared out alike)."""
+        suffix = self.suffix
+        if self.use_prefixes:  # groups chunked as the prefix cache holds them (engine/prefixes.grouped_order)
+            per_token = prefix_bytes_per_token(self.args, DTYPES[self.options.dtype])
+            group_bytes = {g: p * per_token for g, p in zip(group, self.prefix)}
+            cache = self.engine.prefix_cache.budget if self.engine is not None else self.options.prefix_cache_memory
+            self.batches = batches_in_order(grouped_order(suffix, group, group_bytes, cache), suffix,
+                                            self.batch_tokens)
+        else:
+            self.batches = make_batches(self.lengths, self.batch_tokens)
+        self.sampled = gate_sample(self.refs, list(self.adapters)) if self.check_adapters else {}
+        self.gate_rows = [i for rows in self.sampled.values() for i in rows]
+        self.gate_batches = [[self.gate_rows[j] for j in b]
+                             for b in make_batches([suffix[i] for i in self.gate_rows], self.batch_tokens)]
+        self.units = self.batches + self.gate_batches
+
+    def read(self, out: Path) -> CompareResult:
+        return read_run(out)
+
+    def load(self, run: Run) -> Units:
+        options, refs, lengths = self.options, self.refs, self.lengths
+        with run.phases("load"):
+            self.engine = self.engine or Engine.load(self.model, self.parsed, options)
         # said once every input (the weights too) is checked: an input error stays the only line on stderr
         if options.prefix_cache and options.expert_parallel:
-            notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
-                   "full samples run")
-        engine.expect([(len(b), max(lengths[i] for i in b), u < len(batches) and any(isinstance(a, str) for a in
-                       refs["adapter"].iloc[b])) for u, b in enumerate(units) if not any(prefix[i] for i in b)])
-        compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
-        with phases("forward"), folder.work([sum(suffix[i] for i in b) for b in units], "compare", "tok", quiet,
-                                            lockstep=options.expert_parallel) as work:
-            def start(u):
-                if u is None:
-                    return engine.stand_in()
-                rows = refs.iloc[units[u]]
-                tags = [a if isinstance(a, str) and u < len(batches) else None for a in rows["adapter"]]
-                before = engine.tokens_computed
-                logprobs = engine.start_logprobs(Batch(list(rows["input_ids"]), tags,
-                                                       [prefix[i] for i in units[u]] if use_prefixes else None))
-                return logprobs, engine.tokens_computed - before
+            run.notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every "
+                       "forward); full samples run")
+        self.engine.expect([(len(b), max(lengths[i] for i in b), u < len(self.batches) and any(
+            isinstance(a, str) for a in refs["adapter"].iloc[b])) for u, b in enumerate(self.units)
+            if not any(self.prefix[i] for i in b)])
+        return Units([sum(self.suffix[i] for i in b) for b in self.units], "tok", lockstep=options.expert_parallel)
 
-            def finish(u, started):
-                logprobs, computed = started[0].get(), started[1]
-                bad = first_non_finite(logprobs)
-                if bad is not None:  # (k2 and the gates would be computed from NaN)
-                    i = units[u][bad]
-                    adapter = refs["adapter"].iloc[i] if u < len(batches) else None
-                    raise overflow_error(model, adapters, adapter if isinstance(adapter, str) else None,
-                                         f"sample {refs['sample_id'].iloc[i]}", options.dtype)
-                return pd.DataFrame(dict(sample=units[u], logprobs=[lp.numpy() for lp in logprobs],
-                                         tokens_computed=np.asarray([computed] + [0] * (len(units[u]) - 1),
-                                                                    dtype=np.int64)))  # the unit's, on its first row
+    def run(self, work: Work, run: Run) -> None:
+        work.overlapped(range(len(self.units)), self._start, self._finish)
 
-            work.overlapped(range(len(units)), start, finish)
-        phases.captured(engine.graph_stats(), COMPILE_CLOCK.seconds - compiled)
+    def _start(self, u):
+        if u is None:
+            return self.engine.stand_in()
+        rows = self.refs.iloc[self.units[u]]
+        tags = [a if isinstance(a, str) and u < len(self.batches) else None for a in rows["adapter"]]
+        before = self.engine.tokens_computed
+        logprobs = self.engine.start_logprobs(Batch(list(rows["input_ids"]), tags, [self.prefix[i] for i in
+                                                    self.units[u]] if self.use_prefixes else None))
+        return logprobs, self.engine.tokens_computed - before
 
-        def merge(frames: dict[int, pd.DataFrame]) -> CompareResult:
-            with phases("metrics"):
-                engine_lp, base_lp = [None] * len(refs), {}  # base_lp: the gate's base re-runs, by sample
-                tokens_computed = sum(int(f["tokens_computed"].sum()) for f in frames.values()
-                                      if "tokens_computed" in f)
-                for u, frame in frames.items():
-                    for i, lp in zip(frame["sample"], frame["logprobs"]):
-                        if u < len(batches):
-                            engine_lp[i] = np.asarray(lp, dtype=np.float32)
-                        else:
-                            base_lp[int(i)] = np.asarray(lp, dtype=np.float32)
-                tokens = _token_table(refs, engine_lp)
-                samples = group_metrics(tokens, ["adapter", "sample_id"])
-                per_adapter = group_metrics(tokens, ["adapter"])
-                overall = group_metrics(tokens, []).assign(adapter=OVERALL)
-                floor = sampler_floor(tokens)
-                eps = float(torch.finfo(next(engine.model.parameters()).dtype).eps)  # of the compute dtype
-                gates = applied_gate(list(adapters), static, {a: [(engine_lp[i], base_lp[i]) for i in rows]
-                                                              for a, rows in sampled.items()}, eps) \
-                    if check_adapters else no_gates()
-                summary = check_thresholds(with_floor(pd.concat([per_adapter, overall], ignore_index=True),
-                                                      floor["k2_floor"]),
-                                           max_k2, max_mean_abs_diff, max_k2_over_floor, gates)
-                summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns
-                                                             if c not in COMPARE_SUMMARY_COLUMNS]]
-            with phases("load"):  # the tokenizer, for the worst tokens' text alone (only the rank that merges)
-                decode = load_decoder(model)
-            with phases("metrics"):
-                worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), decode)
-            gate_record = dict(
-                adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS,
-                                   eps=eps, batches=len(gate_batches), rows=len(gate_rows),
-                                   tokens=sum(lengths[i] for i in gate_rows)) if check_adapters else None,
-                k2_over_floor=dict(floor, limit=max_k2_over_floor))
-            timings = phases.timings()
-            run = folder.run_record(
-                arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
-                                                   ranks=ranks.world if ranks else 1,
-                                                   batch_invariant=options.batch_invariant),
-                timings=timings, work=work.stats(), batches=len(batches), padding_waste=padding_waste(suffix, batches),
-                tokens_computed=tokens_computed, tokens_full_prompts=sum(lengths[i] for b in units for i in b),
-                prefix_cache=dict(enabled=use_prefixes, min_shared_tokens=MIN_SHARED_TOKENS,
-                                  rows_with_prefix=sum(1 for p in prefix if p),
-                                  computed_share=tokens_computed / max(sum(lengths[i] for b in units for i in b), 1),
-                                  this_process=engine.prefix_stats()),
-                tokens_per_s=work.stats()["computed"] / max(timings["forward_s"], 1e-9), gates=gate_record,
-                quantization=engine.model.args.quantization, tokenizer=str(model) if decode else None,
-                cuda_graphs=engine.graph_stats())
-            result = CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=run, gates=gates)
-            result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
-            with phases("write"):  # (the reports show the phases before this one: results.WRITTEN_AFTER_REPORTS)
-                written = {**table_files(result), **report_files(result)}
-            result.run["timings"] = phases.timings()
-            folder.commit(written, result.run)
-            return result
+    def _finish(self, u, started) -> pd.DataFrame:
+        logprobs, computed = started[0].get(), started[1]
+        bad = first_non_finite(logprobs)
+        if bad is not None:  # (k2 and the gates would be computed from NaN)
+            i = self.units[u][bad]
+            adapter = self.refs["adapter"].iloc[i] if u < len(self.batches) else None
+            raise overflow_error(self.model, self.adapters, adapter if isinstance(adapter, str) else None,
+                                 f"sample {self.refs['sample_id'].iloc[i]}", self.options.dtype)
+        n = len(self.units[u])
+        return pd.DataFrame(dict(sample=self.units[u], logprobs=[lp.numpy() for lp in logprobs],
+                                 tokens_computed=np.asarray([computed] + [0] * (n - 1), dtype=np.int64)))  # (on row 1)
 
-        return folder.finish(work, merge, lambda: read_run(out))
+    def merge(self, frames: dict[int, pd.DataFrame], run: Run) -> CompareResult:
+        refs, lengths, phases = self.refs, self.lengths, run.phases
+        with phases("metrics"):
+            engine_lp, base_lp = [None] * len(refs), {}  # base_lp: the gate's base re-runs, by sample
+            tokens_computed = sum(int(f["tokens_computed"].sum()) for f in frames.values() if "tokens_computed" in f)
+            for u, frame in frames.items():
+                for i, lp in zip(frame["sample"], frame["logprobs"]):
+                    if u < len(self.batches):
+                        engine_lp[i] = np.asarray(lp, dtype=np.float32)
+                    else:
+                        base_lp[int(i)] = np.asarray(lp, dtype=np.float32)
+            tokens = _token_table(refs, engine_lp)
+            eps = float(torch.finfo(next(self.engine.model.parameters()).dtype).eps)  # of the compute dtype
+            summary, gates, floor = self._summary(tokens, engine_lp, base_lp, eps)
+            samples = group_metrics(tokens, ["adapter", "sample_id"])
+        with phases("load"):  # the tokenizer, for the worst tokens' text alone (only the rank that merges)
+            decode = load_decoder(self.model)
+        with phases("metrics"):
+            worst = worst_tokens(tokens, dict(zip(refs["sample_id"], refs["input_ids"])), decode)
+        full = sum(lengths[i] for b in self.units for i in b)
+        gate_record = dict(
+            adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS, eps=eps,
+                               batches=len(self.gate_batches), rows=len(self.gate_rows),
+                               tokens=sum(lengths[i] for i in self.gate_rows)) if self.check_adapters else None,
+            k2_over_floor=dict(floor, limit=self.max_k2_over_floor))
+        options, ranks, engine = self.options, run.ranks, self.engine
+        record = run.record(
+            resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1,
+                          batch_invariant=options.batch_invariant),
+            batches=len(self.batches), padding_waste=padding_waste(self.suffix, self.batches),
+            tokens_computed=tokens_computed, tokens_full_prompts=full,
+            prefix_cache=dict(enabled=self.use_prefixes, min_shared_tokens=MIN_SHARED_TOKENS,
+                              rows_with_prefix=sum(1 for p in self.prefix if p),
+                              computed_share=tokens_computed / max(full, 1), this_process=engine.prefix_stats()),
+            tokens_per_s=run.work.stats()["computed"] / max(phases.timings()["forward_s"], 1e-9), gates=gate_record,
+            quantization=engine.model.args.quantization, tokenizer=str(self.model) if decode else None,
+            cuda_graphs=engine.graph_stats())
+        return CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=record, gates=gates)
+
+    def _summary(self, tokens: pd.DataFrame, engine_lp: list, base_lp: dict, eps: float):
+        """The summary (per adapter and overall, with the gates' verdicts), the gates table and the sampler floor."""
+        per_adapter = group_metrics(tokens, ["adapter"])
+        overall = group_metrics(tokens, []).assign(adapter=OVERALL)
+        floor = sampler_floor(tokens)
+        gates = applied_gate(list(self.adapters), self.static, {a: [(engine_lp[i], base_lp[i]) for i in rows]
+                                                                for a, rows in self.sampled.items()}, eps) \
+            if self.check_adapters else no_gates()
+        summary = check_thresholds(with_floor(pd.concat([per_adapter, overall], ignore_index=True), floor["k2_floor"]),
+                                   self.max_k2, self.max_mean_abs_diff, self.max_k2_over_floor, gates)
+        summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns if c not in COMPARE_SUMMARY_COLUMNS]]
+        return summary, gates, floor
+
+    def files(self, result: CompareResult) -> dict[str, bytes]:
+        return {**table_files(result), **report_files(result)}
 
 
 def sample_prefixes(refs: pd.DataFrame, min_shared: int = MIN_SHARED_TOKENS) -> tuple[list[int], list]:

@@ -22,7 +22,6 @@ import pandas as pd
 import torch
 
 from ..adapters import load_adapter
-from ..distributed import Ranks, together
 from ..engine.engine import DTYPES, EngineOptions, first_non_finite, overflow_error
 from ..errors import InputError
 from ..inputs.checks import adapter_names, check_lengths, model_config
@@ -30,7 +29,8 @@ from ..inputs.prompts import read_prompts
 from ..inputs.references import read_reference, reference_bytes
 from ..models import check_loaded_weights, load_model
 from ..models.layers import interleave_gate_up
-from ..results.runfolder import RECORD_KEY, InputDigests, RunFolder, Work, check_out, fingerprint, run_inputs, versions
+from ..results.runfolder import RECORD_KEY, Work, run_inputs
+from .run import Hashed, Plan, Run, Task, Units, run_task
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
 
@@ -39,84 +39,110 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
                    out: str | Path | None, *, options: EngineOptions | None = None, quiet: bool = False,
                    overwrite: bool = False, default_adapter: str | None = None, notice=print) -> pd.DataFrame:
     """Reference logprobs of every prompt under its adapter, from transformers + PEFT, written as one Parquet file
-    through a run folder (runfolder.py: resumable, never half-written; the fingerprint goes into the file's
+    through the run protocol (tasks/run.py: resumable, never half-written; the fingerprint goes into the file's
     metadata, and an `out` that already holds this very dump is returned as it is). `options`: device, dtype and
     gate_up_layout (the row order of fused 3D gate_up LoRA, adapters/load.py). `default_adapter`: for prompts
-    without an `adapter` field (prompts.py)."""
-    ranks = Ranks.from_env()
-    with together(ranks):  # every rank checks the same inputs; one line says what is wrong
-        options = (options or EngineOptions()).resolved()
-        adapters = adapter_names(adapters)
-        out = check_out(out, single_file=True, inputs=run_inputs(model_dir, adapters, prompts=prompts))
-        if out is not None and out.suffix.lower() != ".parquet":  # (read back by its suffix: references.py)
+    without an `adapter` field (inputs/prompts.py)."""
+    task = DumpReferenceTask(model_dir, adapters, prompts, options=options, default_adapter=default_adapter)
+    return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
+
+
+class DumpReferenceTask(Task):
+    """dump-reference through the run protocol. Units: one prompt each, run adapter by adapter (a model is
+    loaded once, each adapter applied to it in turn)."""
+
+    command = "dump-reference"
+    single_file = True
+
+    def __init__(self, model_dir, adapters, prompts, *, options, default_adapter):
+        self.model_dir, self.adapters, self.prompts = model_dir, adapters, prompts
+        self.options, self.default_adapter = options, default_adapter
+
+    def check(self, run: Run) -> dict:
+        self.options = (self.options or EngineOptions()).resolved()
+        self.adapters = adapter_names(self.adapters)
+        run.arguments = dict(model=str(self.model_dir), adapters={k: str(v) for k, v in self.adapters.items()},
+                             prompts=str(self.prompts), default_adapter=self.default_adapter)
+        return run_inputs(self.model_dir, self.adapters, prompts=self.prompts)
+
+    def check_out(self, out: Path | None) -> None:
+        if out is not None and out.suffix.lower() != ".parquet":  # (read back by its suffix: inputs/references.py)
             raise InputError("--out", f"{out}: dump-reference writes the native Parquet format; name the file .parquet")
-        arguments = dict(model=str(model_dir), adapters={k: str(v) for k, v in adapters.items()},
-                         prompts=str(prompts), default_adapter=default_adapter)
-    with RunFolder(out, "dump-reference", overwrite=overwrite, single_file=True, notice=notice,
-                   ranks=ranks) as folder:  # the lock, first
-        with together(ranks):  # the prompts and adapters checked before any folder is made or model loaded
-            _, args = model_config(model_dir)
-            notes = []  # (said once the inputs are checked: an input error stays the only line)
-            frame = read_prompts(prompts, model_dir, adapters, args.vocab_size, default_adapter, notes.append)
-            check_lengths(frame["input_ids"].map(len), frame["sample_id"], args.max_position_embeddings, prompts)
-            shapes = load_model(model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
-            parsed = {name: load_adapter(path, name, shapes, options.gate_up_layout) for name, path in adapters.items()}
-            record = options.record()
-            task_options = dict(device=record["device"], device_name=record["device_name"], dtype=options.dtype,
-                                gate_up_layout=options.gate_up_layout, default_adapter=default_adapter,
-                                threads=record["threads"])
-            files = InputDigests(model_dir, adapters, {f"prompts/{Path(prompts).name}": prompts}).result()
-        folder.open(fingerprint("dump-reference", files, task_options, versions()), dict(arguments=arguments))
-        if folder.stored is not None:
-            return read_reference(out)
-        for note in notes:
-            notice(note)
+
+    def plan(self, run: Run) -> Plan:
+        """The prompts and adapters checked before any folder is made or model loaded."""
+        _, args = model_config(self.model_dir)
+        self.notes = []  # (said once the inputs are checked: an input error stays the only line)
+        self.frame = read_prompts(self.prompts, self.model_dir, self.adapters, args.vocab_size, self.default_adapter,
+                                  self.notes.append)
+        check_lengths(self.frame["input_ids"].map(len), self.frame["sample_id"], args.max_position_embeddings,
+                      self.prompts)
+        shapes = load_model(self.model_dir, device="meta")  # our module map, to read adapter layouts (no weights)
+        self.parsed = {name: load_adapter(path, name, shapes, self.options.gate_up_layout)
+                       for name, path in self.adapters.items()}
+        record = self.options.record()
+        task_options = dict(device=record["device"], device_name=record["device_name"], dtype=self.options.dtype,
+                            gate_up_layout=self.options.gate_up_layout, default_adapter=self.default_adapter,
+                            threads=record["threads"])
+        return Plan(task_options)
+
+    def hashed(self) -> list[Hashed]:
+        return [Hashed(self.model_dir, self.adapters, {f"prompts/{Path(self.prompts).name}": self.prompts})]
+
+    def read(self, out: Path) -> pd.DataFrame:
+        return read_reference(out)
+
+    def load(self, run: Run) -> Units:
+        """The model loads with the first prompt left to run (none, when every prompt is done)."""
+        for note in self.notes:
+            run.notice(note)
+        return Units([1] * len(self.frame), "sample", phase=None)
+
+    def run(self, work: Work, run: Run) -> None:
+        """Each prompt's logprobs from transformers (+ PEFT or merged deltas), one sample per unit of work."""
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        frame, options, model = self.frame, self.options, None
         with quiet_libraries():
-            work = _logprobs(model_dir, adapters, parsed, frame, options, folder, quiet)
+            for name in [None] + sorted(self.adapters):
+                rows = frame.index[frame["adapter"].isna()] if name is None else frame.index[frame["adapter"] == name]
+                todo = work.pending(int(i) for i in rows)
+                if not todo:
+                    continue
+                if model is None:
+                    model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=DTYPES[options.dtype])
+                    model = model.to(options.device).eval()
+                    check_loaded_weights(self.model_dir, dict(model.named_parameters()))  # NaN / inf by file and key
+                runner = self._runner(model, name)
+                for i in todo:
+                    lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
+                    if first_non_finite([lp]) is not None:  # (else the written file's check would blame the output)
+                        raise overflow_error(self.model_dir, self.adapters, name, f"prompt {frame.at[i, 'sample_id']}",
+                                             options.dtype, computed_by="transformers")
+                    work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
+                if isinstance(runner, PeftModel):
+                    model = runner.unload()  # back to the plain base model for the next adapter
 
-        def merge(done: dict[int, pd.DataFrame]) -> pd.DataFrame:
-            frame["logprobs"] = [done[i]["logprobs"].iloc[0].tolist() for i in range(len(frame))]
-            if out is not None:
-                meta = json.dumps(dict(command="dump-reference", arguments=arguments, fingerprint=folder.fingerprint))
-                folder.commit_file(reference_bytes(frame, out, {RECORD_KEY: meta.encode()}))
-            return frame
+    def _runner(self, model, name: str | None):
+        """The base `model`, or it under adapter `name`: through PEFT where PEFT loads the layout, else merged."""
+        from peft import PeftModel
 
-        return folder.finish(work, merge, lambda: read_reference(out))
+        adapter = None if name is None else self.parsed[name]
+        if adapter is None:
+            return model
+        if adapter.layouts <= PEFT_LAYOUTS:
+            return PeftModel.from_pretrained(model, str(self.adapters[name])).eval()
+        return merged_copy(model, adapter)
 
+    def merge(self, frames: dict[int, pd.DataFrame], run: Run) -> pd.DataFrame:
+        self.frame["logprobs"] = [frames[i]["logprobs"].iloc[0].tolist() for i in range(len(self.frame))]
+        self.out, self.fingerprint, self.arguments = run.folder.out, run.folder.fingerprint, run.arguments
+        return self.frame
 
-def _logprobs(model_dir, adapters: dict, parsed: dict, frame: pd.DataFrame, options: EngineOptions,
-              folder: RunFolder, quiet: bool) -> Work:
-    """Each prompt's logprobs from transformers (+ PEFT or merged deltas), one sample per unit of work."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = None
-    with folder.work([1] * len(frame), "dump-reference", "sample", quiet) as work:
-        for name in [None] + sorted(adapters):
-            rows = frame.index[frame["adapter"].isna()] if name is None else frame.index[frame["adapter"] == name]
-            todo = work.pending(int(i) for i in rows)
-            if not todo:
-                continue
-            if model is None:
-                model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[options.dtype])
-                model = model.to(options.device).eval()
-                check_loaded_weights(model_dir, dict(model.named_parameters()))  # a NaN / inf named by file and key
-            adapter = None if name is None else parsed[name]
-            if adapter is None:
-                runner = model
-            elif adapter.layouts <= PEFT_LAYOUTS:
-                runner = PeftModel.from_pretrained(model, str(adapters[name])).eval()
-            else:
-                runner = merged_copy(model, adapter)
-            for i in todo:
-                lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
-                if first_non_finite([lp]) is not None:  # (else the written file's check would blame the output)
-                    raise overflow_error(model_dir, adapters, name, f"prompt {frame.at[i, 'sample_id']}",
-                                         options.dtype, computed_by="transformers")
-                work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
-            if isinstance(runner, PeftModel):
-                model = runner.unload()  # back to the plain base model for the next adapter
-    return work
+    def files(self, frame: pd.DataFrame) -> bytes:
+        meta = json.dumps(dict(command="dump-reference", arguments=self.arguments, fingerprint=self.fingerprint))
+        return reference_bytes(frame, self.out, {RECORD_KEY: meta.encode()})
 
 
 @contextlib.contextmanager

@@ -61,19 +61,20 @@ from ...adapters import AdapterStack
 from ...adapters.targets import layer_of
 from ...engine.batching import make_batches
 from ...engine.engine import (DTYPES, Batch, Engine, EngineOptions, current_device, first_non_finite, overflow_error,
-                     read_adapters)
+                              read_adapters)
 from ...engine.forward import Forward
 from ...engine.plan import check_fits, host_memory_available, plan
-from ...errors import EXIT_PASS, InputError
+from ...errors import InputError
 from ...inputs.checks import adapter_names, model_config, positive_int
 from ...inputs.references import read_reference, reference_arg, reference_inputs
 from ...models import load_model
 from ...names import AGAINST_ADAPTERS, BASE
 from ...render.diagnose import diagnose_report_files
 from ...results.metrics import token_metrics
-from ...results.runfolder import InputDigests, RunFolder, check_out, fingerprint, now, run_inputs, versions
-from ...results.tables import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult, Phases,
-                      diagnose_table_files, read_diagnose)
+from ...results.runfolder import Work, run_inputs
+from ...results.tables import (DIAGNOSE_LAYER_COLUMNS, DIAGNOSE_MODULE_COLUMNS, DIAGNOSE_POINTS, DiagnoseResult,
+                               diagnose_table_files, read_diagnose)
+from ..run import Hashed, Plan, Run, Task, Units, run_task
 from .lora_effect import EffectRecorder
 from .one_layer import LayerLoader
 
@@ -85,6 +86,8 @@ MIN_FLOOR = 1e-5  # ... nor under this (float32 sums taken in another order diff
 TOP_EXPERTS = 5  # flipped-in / flipped-out experts listed per layer in diagnose.json
 UNIT_COLUMNS = ["kind", "sample", "layer", "name", "num", "den", "count"]  # the rows every unit of work records
 POINT_OF = {"attention": "attention", "router_logits": "router", "moe": "moe", "residual": "residual"}
+
+
 def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, references: list | tuple = (), *,
              out: str | Path | None = None, options: EngineOptions | None = None, samples: int = 8,
              against_model: str | Path | None = None, against_dtype: str = "float32", against_adapters: str = "same",
@@ -95,118 +98,146 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     effects and the first divergent layer per adapter. `references` holds paths or (adapter name, path) pairs, as
     for `compare`; `against_adapters` ("same" or "none"): whether side B runs the adapters; see the module notes for
     the sides, the samples and the rule."""
-    phases = Phases()
-    options = (options or EngineOptions()).resolved()
-    if options.expert_parallel or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise InputError("WORLD_SIZE", "diagnose runs in one process: run it without lora-eval launch (or torchrun) "
-                         "and expert parallel")
-    adapters = adapter_names(adapters)
-    samples = positive_int(samples, "--samples")
-    batch_tokens = positive_int(batch_tokens, "--batch-tokens")
-    side_b = SideB.checked(model, against_model, against_dtype, against_adapters, adapters)
-    if not references:
-        raise InputError("--reference", "at least one reference dump is needed")
-    out = check_out(out, inputs=run_inputs(model, adapters, reference=list(references), against_model=against_model))
-    with RunFolder(out, "diagnose", overwrite=overwrite, notice=notice) as folder:  # the lock, first
-        _, args = model_config(model)
-        if side_b.against:
-            _check_against(args, against_model)
-        with phases("read"):
-            refs, left_out = _read_references(references, adapters, args.vocab_size, side_b.merged)
-            lengths = [len(ids) for ids in refs["input_ids"]]
-            batches = make_batches(lengths, batch_tokens)
-        tags = [a if isinstance(a, str) else BASE for a in refs["adapter"]]
-        # reports list base first, then the adapters as given; against a merged checkpoint its adapter alone
-        order = [side_b.merged] if side_b.merged else [BASE, *adapters]
-        picked = {tag: min(samples, tags.count(tag)) for tag in order}
-        measured, why = _measurement(model, adapters, side_b, options, max(lengths), layer_by_layer, batch_tokens)
-        with phases("load"):  # the adapters' files (the models' load with their first use)
-            parsed = read_adapters(model, adapters, options)
-            parsed_b = side_b.read_adapters(parsed, adapters, options)
-            quantization = load_model(model, device="meta").args.quantization
-        floor = noise_floor(options.dtype, against_dtype)
-        arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()},
-                         references=[reference_arg(r) for r in references], samples=samples,
-                         against_model=None if against_model is None else str(against_model),
-                         against_dtype=against_dtype, against_adapters=against_adapters,
-                         layer_by_layer=layer_by_layer, batch_tokens=batch_tokens)
-        rule = dict(factor=FACTOR, floor=floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
-        task_options = dict(options.record(), samples=samples, against_dtype=against_dtype,
-                            against_adapters=against_adapters, measured=measured, batch_tokens=batch_tokens,
-                            rule=rule)
-        files = InputDigests(model, adapters, reference_inputs(references)).result()
-        if side_b.against:
-            files.update(InputDigests(against_model, prefix="against-").result())
-        folder.open(fingerprint("diagnose", files, task_options, versions()), dict(arguments=arguments))
-        if folder.stored is not None:
-            return read_diagnose(out)
-        sides = _Sides(model, parsed, options, side_b, parsed_b)
-        n_chosen = sum(picked.values())
-        n_adapter = sum(n for tag, n in picked.items() if tag != BASE)
-        k2_units = list(range(len(batches)))
-        start = len(k2_units)
-        compare_units = list(range(start, start + (n_chosen if measured == FREE_RUNNING else args.num_layers)))
-        start += len(compare_units)
-        effect_units = list(range(start, start + n_adapter))
-        longest = max(lengths)
-        weights = [sum(lengths[i] for i in b) for b in batches] + \
-            [2 * longest] * len(compare_units) + [longest] * len(effect_units)  # tokens, for the progress bar
+    task = DiagnoseTask(model, adapters, references, options=options, samples=samples, against_model=against_model,
+                        against_dtype=against_dtype, against_adapters=against_adapters, layer_by_layer=layer_by_layer,
+                        batch_tokens=batch_tokens)
+    return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
-        with folder.work(weights, "diagnose", "tok", quiet) as work:
-            with phases("k2"):  # (side A loads with its first batch)
-                for b in work.steps(k2_units):
-                    rows = refs.iloc[batches[b]]
-                    logprobs = sides.a.logprobs(Batch(list(rows["input_ids"]),
-                                                      [_adapter(t) for t in rows["adapter"]]))
-                    bad = first_non_finite(logprobs)
-                    if bad is not None:  # (k2 would pick the samples from NaN)
-                        raise overflow_error(model, adapters, _adapter(rows["adapter"].iloc[bad]),
-                                             f"sample {rows['sample_id'].iloc[bad]}", options.dtype)
-                    work.record(b, _k2_rows(rows, batches[b], logprobs))
-            chosen = _choose({u: work.done[u] for u in k2_units}, tags, order, samples)
-            with phases("compare"), current_device(options.device):  # (these run the models' layers directly)
-                for u in work.steps(compare_units):
-                    if measured == FREE_RUNNING:
-                        i = chosen[u - compare_units[0]]
-                        work.record(u, _free_running(sides, i, refs["input_ids"][i], _adapter(refs["adapter"][i])))
-                    else:
-                        work.record(u, _one_layer(sides, u - compare_units[0], chosen, refs))
-            with phases("effects"), current_device(options.device):
-                with_adapter = [i for i in chosen if tags[i] != BASE]
-                for u in work.steps(effect_units):
-                    i = with_adapter[u - effect_units[0]]
-                    work.record(u, _effects(sides, i, refs["input_ids"][i], tags[i]))
+
+class DiagnoseTask(Task):
+    """diagnose through the run protocol (tasks/run.py), in one process. Units: the k2 pass's batches, then the
+    comparisons (a sample free-running, or a layer layer by layer), then the chosen adapter samples' module effects."""
+
+    command = "diagnose"
+    distributed = False
+
+    def __init__(self, model, adapters, references, *, options, samples, against_model, against_dtype,
+                 against_adapters, layer_by_layer, batch_tokens):
+        self.model, self.adapters, self.references, self.options = model, adapters, references, options
+        self.samples, self.against_model, self.against_dtype = samples, against_model, against_dtype
+        self.against_adapters, self.layer_by_layer, self.batch_tokens = against_adapters, layer_by_layer, batch_tokens
+
+    def check(self, run: Run) -> dict:
+        self.options = options = (self.options or EngineOptions()).resolved()
+        if options.expert_parallel or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise InputError("WORLD_SIZE", "diagnose runs in one process: run it without lora-eval launch (or "
+                             "torchrun) and expert parallel")
+        self.adapters = adapter_names(self.adapters)
+        self.samples = positive_int(self.samples, "--samples")
+        self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")
+        self.side_b = SideB.checked(self.model, self.against_model, self.against_dtype, self.against_adapters,
+                                    self.adapters)
+        if not self.references:
+            raise InputError("--reference", "at least one reference dump is needed")
+        run.arguments = dict(model=str(self.model), adapters={k: str(v) for k, v in self.adapters.items()},
+                             references=[reference_arg(r) for r in self.references], samples=self.samples,
+                             against_model=None if self.against_model is None else str(self.against_model),
+                             against_dtype=self.against_dtype, against_adapters=self.against_adapters,
+                             layer_by_layer=self.layer_by_layer, batch_tokens=self.batch_tokens)
+        return run_inputs(self.model, self.adapters, reference=list(self.references),
+                          against_model=self.against_model)
+
+    def plan(self, run: Run) -> Plan:
+        model, adapters, options, side_b = self.model, self.adapters, self.options, self.side_b
+        self.args = model_config(model)[1]
+        if side_b.against:
+            _check_against(self.args, self.against_model)
+        with run.phases("read"):
+            self.refs, self.left_out = _read_references(self.references, adapters, self.args.vocab_size,
+                                                        side_b.merged)
+            self.lengths = [len(ids) for ids in self.refs["input_ids"]]
+            self.batches = make_batches(self.lengths, self.batch_tokens)
+        self.tags = [a if isinstance(a, str) else BASE for a in self.refs["adapter"]]
+        # reports list base first, then the adapters as given; against a merged checkpoint its adapter alone
+        self.order = [side_b.merged] if side_b.merged else [BASE, *adapters]
+        self.measured, self.why = _measurement(model, adapters, side_b, options, max(self.lengths),
+                                               self.layer_by_layer, self.batch_tokens)
+        with run.phases("load"):  # the adapters' files (the models' load with their first use)
+            self.parsed = read_adapters(model, adapters, options)
+            self.parsed_b = side_b.read_adapters(self.parsed, adapters, options)
+            self.quantization = load_model(model, device="meta").args.quantization
+        self.floor = noise_floor(options.dtype, self.against_dtype)
+        self.rule = dict(factor=FACTOR, floor=self.floor, floor_eps=FLOOR_EPS, min_floor=MIN_FLOOR)
+        task_options = dict(options.record(), samples=self.samples, against_dtype=self.against_dtype,
+                            against_adapters=self.against_adapters, measured=self.measured,
+                            batch_tokens=self.batch_tokens, rule=self.rule)
+        return Plan(task_options)
+
+    def hashed(self) -> list[Hashed]:
+        return [Hashed(self.model, self.adapters, reference_inputs(self.references))] + \
+            ([Hashed(self.against_model, prefix="against-")] if self.side_b.against else [])
+
+    def read(self, out: Path) -> DiagnoseResult:
+        return read_diagnose(out)
+
+    def load(self, run: Run) -> Units:
+        """The sides load with their first use; the units: the k2 batches, the comparisons, the module effects."""
+        self.sides = _Sides(self.model, self.parsed, self.options, self.side_b, self.parsed_b)
+        n_chosen = sum(min(self.samples, self.tags.count(tag)) for tag in self.order)
+        n_adapter = sum(min(self.samples, self.tags.count(tag)) for tag in self.order if tag != BASE)
+        self.k2_units = list(range(len(self.batches)))
+        start = len(self.k2_units)
+        self.compare_units = list(range(start, start + (n_chosen if self.measured == FREE_RUNNING
+                                                        else self.args.num_layers)))
+        start += len(self.compare_units)
+        self.effect_units = list(range(start, start + n_adapter))
+        longest = max(self.lengths)
+        weights = [sum(self.lengths[i] for i in b) for b in self.batches] + \
+            [2 * longest] * len(self.compare_units) + [longest] * len(self.effect_units)  # tokens, for the bar
+        return Units(weights, "tok", phase=None)
+
+    def run(self, work: Work, run: Run) -> None:
+        sides, refs, phases = self.sides, self.refs, run.phases
+        with phases("k2"):  # (side A loads with its first batch)
+            for b in work.steps(self.k2_units):
+                work.record(b, self._k2_unit(b))
+        chosen = _choose({u: work.done[u] for u in self.k2_units}, self.tags, self.order, self.samples)
+        with phases("compare"), current_device(self.options.device):  # (these run the models' layers directly)
+            for u in work.steps(self.compare_units):
+                if self.measured == FREE_RUNNING:
+                    i = chosen[u - self.compare_units[0]]
+                    work.record(u, _free_running(sides, i, refs["input_ids"][i], _adapter(refs["adapter"][i])))
+                else:
+                    work.record(u, _one_layer(sides, u - self.compare_units[0], chosen, refs))
+        with phases("effects"), current_device(self.options.device):
+            with_adapter = [i for i in chosen if self.tags[i] != BASE]
+            for u in work.steps(self.effect_units):
+                i = with_adapter[u - self.effect_units[0]]
+                work.record(u, _effects(sides, i, refs["input_ids"][i], self.tags[i]))
         sides.release()
 
-        def merge(frames: dict[int, pd.DataFrame]) -> DiagnoseResult:
-            with phases("metrics"):
-                units = pd.concat([frames[u] for u in sorted(frames)], ignore_index=True)
-                chosen = _choose({u: frames[u] for u in k2_units}, tags, order, samples)
-                sample_tag = {i: tags[i] for i in chosen}
-                layers = layer_table(units[units["kind"].isin(["error", "flip"])], sample_tag, order)
-                modules = module_table(units[units["kind"] == "module"], sample_tag, order)
-                record = dict(
-                    measured=measured, why=why, points=DIAGNOSE_POINTS, side_a=_side_a(model, options),
-                    side_b=side_b.record(options, left_out),
-                    rule=dict(rule, text=RULE_TEXT.format(factor=FACTOR, floor=floor)),
-                    adapters={tag: _adapter_record(tag, layers, units, refs, chosen, tags, measured, floor)
-                              for tag in order})
-            run = folder.run_record(arguments=arguments, resolved=dict(device=options.device, dtype=options.dtype,
-                                                                       batch_invariant=options.batch_invariant,
-                                                                       against_dtype=against_dtype,
-                                                                       against_adapters=against_adapters,
-                                                                       measured=measured),
-                                    timings=phases.timings(), work=work.stats(), samples=len(chosen),
-                                    quantization=quantization)
-            result = DiagnoseResult(layers=layers, modules=modules, record=record, run=run)
-            result.run["completed"] = dict(at=now(), exit_code=EXIT_PASS)
-            with phases("write"):  # (the reports show the phases before this one: results.WRITTEN_AFTER_REPORTS)
-                written = {**diagnose_table_files(result), **diagnose_report_files(result)}
-            result.run["timings"] = phases.timings()
-            folder.commit(written, result.run)
-            return result
+    def _k2_unit(self, b: int) -> pd.DataFrame:
+        rows = self.refs.iloc[self.batches[b]]
+        logprobs = self.sides.a.logprobs(Batch(list(rows["input_ids"]), [_adapter(t) for t in rows["adapter"]]))
+        bad = first_non_finite(logprobs)
+        if bad is not None:  # (k2 would pick the samples from NaN)
+            raise overflow_error(self.model, self.adapters, _adapter(rows["adapter"].iloc[bad]),
+                                 f"sample {rows['sample_id'].iloc[bad]}", self.options.dtype)
+        return _k2_rows(rows, self.batches[b], logprobs)
 
-        return folder.finish(work, merge, lambda: read_diagnose(out))
+    def merge(self, frames: dict[int, pd.DataFrame], run: Run) -> DiagnoseResult:
+        tags, order, floor, options = self.tags, self.order, self.floor, self.options
+        with run.phases("metrics"):
+            units = pd.concat([frames[u] for u in sorted(frames)], ignore_index=True)
+            chosen = _choose({u: frames[u] for u in self.k2_units}, tags, order, self.samples)
+            sample_tag = {i: tags[i] for i in chosen}
+            layers = layer_table(units[units["kind"].isin(["error", "flip"])], sample_tag, order)
+            modules = module_table(units[units["kind"] == "module"], sample_tag, order)
+            record = dict(
+                measured=self.measured, why=self.why, points=DIAGNOSE_POINTS, side_a=_side_a(self.model, options),
+                side_b=self.side_b.record(options, self.left_out),
+                rule=dict(self.rule, text=RULE_TEXT.format(factor=FACTOR, floor=floor)),
+                adapters={tag: _adapter_record(tag, layers, units, self.refs, chosen, tags, self.measured, floor)
+                          for tag in order})
+        run_record = run.record(resolved=dict(device=options.device, dtype=options.dtype,
+                                              batch_invariant=options.batch_invariant,
+                                              against_dtype=self.against_dtype,
+                                              against_adapters=self.against_adapters, measured=self.measured),
+                                samples=len(chosen), quantization=self.quantization)
+        return DiagnoseResult(layers=layers, modules=modules, record=record, run=run_record)
+
+    def files(self, result: DiagnoseResult) -> dict[str, bytes]:
+        return {**diagnose_table_files(result), **diagnose_report_files(result)}
 
 
 RULE_TEXT = ("layer l is divergent when its drift (the residual stream's rel_error over the positions whose top-k "

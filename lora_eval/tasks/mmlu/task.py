@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...distributed import Ranks, together
+from ...distributed import together
 from ...engine.batching import batches_in_order, make_batches, padding_waste
 from ...engine.engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from ...engine.plan import check_fits
@@ -33,9 +33,9 @@ from ...inputs.mmlu_data import LETTERS, check_shots, read_split, select
 from ...names import BASE
 from ...render.files import report_files
 from ...results.mmlu_stats import question_table, subject_table, summary_table
-from ...results.runfolder import InputDigests, RunFolder, check_out, fingerprint, now, run_inputs, versions
-from ...results.tables import MmluResult, Phases, read_run, table_files
-from ...runners.compile_clock import COMPILE_CLOCK
+from ...results.runfolder import Work, run_inputs
+from ...results.tables import MmluResult, read_run, table_files
+from ..run import Hashed, Plan, Run, Task, Units, run_task
 from .prompts import Tokenized, tokenize
 from .tokenize import TokenizeBeside
 
@@ -89,176 +89,193 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     """Score every question of `split` for the base model and each adapter in one pass; return (and, with
     `out`, write) the per-question, per-subject and summary tables. `subjects`: names (list or comma string)
     to keep; `limit`: the first N questions of each subject; `max_drop`: percentage points. With `out`, the run
-    is a run folder (runfolder.py): complete runs of the same inputs are returned as saved, partial ones resumed,
-    others refused unless `overwrite`. `engine`: an engine already built (its adapters replace `adapters`; `model`
-    is then the folder with config.json and the tokenizer only, e.g. for benchmarks on in-memory weights)."""
-    phases = Phases()
-    ranks = Ranks.from_env()
-    with together(ranks):  # every rank checks the same inputs; one line says what is wrong
-        options = (options or EngineOptions()).resolved()
-        adapters = adapter_names(adapters if engine is None else {a.name: a.path for a in engine.adapters})
-        if isinstance(subjects, str):
-            subjects = [s.strip() for s in subjects.split(",") if s.strip()]
-            if not subjects:
+    is a run folder (results/runfolder.py): complete runs of the same inputs are returned as saved, partial ones
+    resumed, others refused unless `overwrite`. `engine`: an engine already built (its adapters replace `adapters`;
+    `model` is then the folder with config.json and the tokenizer only, e.g. for benchmarks on in-memory weights)."""
+    task = MmluTask(model, adapters, data, split=split, shots=shots, subjects=subjects, limit=limit,
+                    max_drop=max_drop, options=options, batch_tokens=batch_tokens, engine=engine)
+    return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
+
+
+class MmluTask(Task):
+    """mmlu through the run protocol (tasks/run.py). Units: batches of rows, a row being a question under one model
+    (base or an adapter); a question's rows share a batch."""
+
+    command = "mmlu"
+
+    def __init__(self, model, adapters, data, *, split, shots, subjects, limit, max_drop, options, batch_tokens,
+                 engine):
+        self.model, self.adapters, self.data, self.split, self.shots = model, adapters, data, split, shots
+        self.subjects, self.limit, self.max_drop, self.options = subjects, limit, max_drop, options
+        self.batch_tokens, self.engine = batch_tokens, engine
+        self.tokenizing = None  # the prompts, tokenised in a child process beside the model's load (tokenize.py)
+
+    def check(self, run: Run) -> dict:
+        self.options = (self.options or EngineOptions()).resolved()
+        self.adapters = adapter_names(self.adapters if self.engine is None
+                                      else {a.name: a.path for a in self.engine.adapters})
+        if isinstance(self.subjects, str):
+            self.subjects = [s.strip() for s in self.subjects.split(",") if s.strip()]
+            if not self.subjects:
                 raise InputError("--subjects", "no subject named (expected A,B,...; leave it out for all subjects)")
-        if data is None:
+        if self.data is None:
             raise InputError("--data", "an MMLU data folder is needed")
-        if split not in ("test", "val"):
-            raise InputError("--split", f"'{split}' is not one of test, val")
-        shots = positive_int(shots, "--shots", low=0)
-        limit = None if limit is None else positive_int(limit, "--limit")
-        batch_tokens = positive_int(batch_tokens, "--batch-tokens")
-        max_drop = threshold(max_drop, "--max-drop")
-        out = check_out(out, inputs=run_inputs(model, adapters, data=data))
-        arguments = dict(model=str(model), adapters={k: str(v) for k, v in adapters.items()}, data=str(data),
-                         split=split, shots=shots, subjects=subjects, limit=limit, max_drop=max_drop,
-                         batch_tokens=batch_tokens)
-    with RunFolder(out, "mmlu", overwrite=overwrite, notice=notice, ranks=ranks) as folder:  # the lock, first
-        with together(ranks):
-            with phases("data"):
-                layout, files, questions = read_split(data, split)
-                questions = select(questions, subjects, limit, data, split)
-                dev = None
-                if shots > 0:
-                    _, dev_files, dev = read_split(data, "dev")
-                    files += dev_files
-                    dev = check_shots(dev, questions, shots, layout, data)
+        if self.split not in ("test", "val"):
+            raise InputError("--split", f"'{self.split}' is not one of test, val")
+        self.shots = positive_int(self.shots, "--shots", low=0)
+        self.limit = None if self.limit is None else positive_int(self.limit, "--limit")
+        self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")
+        self.max_drop = threshold(self.max_drop, "--max-drop")
+        run.arguments = dict(model=str(self.model), adapters={k: str(v) for k, v in self.adapters.items()},
+                             data=str(self.data), split=self.split, shots=self.shots, subjects=self.subjects,
+                             limit=self.limit, max_drop=self.max_drop, batch_tokens=self.batch_tokens)
+        return run_inputs(self.model, self.adapters, data=self.data)
 
-            with phases("load"):  # the model's config (its tokenizer comes with the prompts)
-                args = model_config(model)[1]
-                max_len = args.max_position_embeddings  # (checked by the config's reader: an integer >= 2)
-            # the inputs are hashed on a thread meanwhile; loading onto a GPU, transformers' import (which holds the
-            # GIL: beside it MMLU's load phase took ~1.5 s longer on an H100, BENCHMARKS-history section 13) is the
-            # child's
-            data_root = Path(data)
-            digests = InputDigests(model, adapters, {f"data/{path.relative_to(data_root)}": path
-                                                     for path in sorted(set(files))})  # (result() below)
+    def plan(self, run: Run) -> Plan:
+        options, phases, model, shots = self.options, run.phases, self.model, self.shots
+        with phases("data"):
+            layout, files, questions = read_split(self.data, self.split)
+            self.questions = questions = select(questions, self.subjects, self.limit, self.data, self.split)
+            dev = None
+            if shots > 0:
+                _, dev_files, dev = read_split(self.data, "dev")
+                files += dev_files
+                dev = check_shots(dev, questions, shots, layout, self.data)
+            self.data_record = dict(layout=layout, path=str(self.data), files=len(set(files)))
+        with phases("load"):  # the model's config (its tokenizer comes with the prompts)
+            self.args = model_config(model)[1]
+            self.max_len = self.args.max_position_embeddings  # (checked by the config's reader: an integer >= 2)
+        # the data files are hashed on a thread meanwhile (Plan.hashed); loading onto a GPU, transformers' import
+        # (which holds the GIL) is the child's (BENCHMARKS-history section 13)
+        root = Path(self.data)
+        data_files = Hashed(files={f"data/{path.relative_to(root)}": path for path in sorted(set(files))})
+        self.tokens = None
+        if tokenizes_beside(self.engine, options):
+            self.tokenizing = TokenizeBeside(model, questions, dev, shots, self.max_len)
+        else:
+            with phases("tokenize"):
+                self.tokens = checked_tokens(tokenize(model, questions, dev, shots, self.max_len),
+                                             self.args.vocab_size, model)
+        with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
+            if self.engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
+                check_fits(model, self.adapters, options.device, options.dtype, self.batch_tokens,
+                           run.ranks.world if run.ranks and options.expert_parallel else 1,
+                           options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel
+                           else 0)
+            self.parsed = None if self.engine is not None else read_adapters(model, self.adapters, options)
+        self.models, self.tags = [BASE, *self.adapters], [None, *self.adapters]
+        self.use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
+        task_options = dict(options.record(), split=self.split, shots=shots, subjects=self.subjects,
+                            limit=self.limit, max_drop=self.max_drop, batch_tokens=self.batch_tokens,
+                            prefix_cache=self.use_prefixes, engine="given" if self.engine is not None else "loaded")
+        return Plan(task_options, ("datasets", "tokenizers"), phase="data", hashed=[data_files])
 
-            tokenizing = TokenizeBeside(model, questions, dev, shots, max_len) if tokenizes_beside(engine, options) \
-                else None
-            tokens = None
-            if tokenizing is None:
-                with phases("tokenize"):
-                    tokens = checked_tokens(tokenize(model, questions, dev, shots, max_len), args.vocab_size, model)
-            with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
-                if engine is None:  # (with the prefix cache's bound where the subjects' shots are reused)
-                    check_fits(model, adapters, options.device, options.dtype, batch_tokens,
-                               ranks.world if ranks and options.expert_parallel else 1,
-                               options.prefix_cache_memory if options.prefix_cache and not options.expert_parallel
-                               else 0)
-                parsed = None if engine is not None else read_adapters(model, adapters, options)
-            models = [BASE, *adapters]
-            tags = [None, *adapters]
-            use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
-            task_options = dict(options.record(), split=split, shots=shots, subjects=subjects, limit=limit,
-                                max_drop=max_drop, batch_tokens=batch_tokens, prefix_cache=use_prefixes,
-                                engine="given" if engine is not None else "loaded")
-            with phases("data"):  # the inputs' fingerprints (data files whole, weights sampled), hashed meanwhile
-                inputs = digests.result()
-                package_versions = versions("datasets", "tokenizers")
-        folder.open(fingerprint("mmlu", inputs, task_options, package_versions), dict(arguments=arguments))
-        if folder.stored is not None:
-            if tokenizing is not None:
-                tokenizing.cancel()  # (nothing to load or tokenise)
-            return read_run(out)
-        if tokenizing is not None:
-            with tokenizing:  # (the child is stopped on the way out, whatever happens)
+    def hashed(self) -> list[Hashed]:
+        return [Hashed(self.model, self.adapters)]
+
+    def cancel(self) -> None:
+        if self.tokenizing is not None:
+            self.tokenizing.cancel()  # (nothing to load or tokenise)
+
+    def read(self, out: Path) -> MmluResult:
+        return read_run(out)
+
+    def load(self, run: Run) -> Units:
+        phases = run.phases
+        if self.tokenizing is not None:
+            with self.tokenizing:  # (the child is stopped on the way out, whatever happens)
                 with phases("load"):  # the model's weights, beside the child
-                    engine = Engine.load(model, parsed, options)
-                with together(ranks), phases("tokenize"):  # what of the child's work the load did not hide
-                    tokens = checked_tokens(tokenizing.result(), args.vocab_size, model)
+                    self.engine = Engine.load(self.model, self.parsed, self.options)
+                with together(run.ranks), phases("tokenize"):  # what of the child's work the load did not hide
+                    self.tokens = checked_tokens(self.tokenizing.result(), self.args.vocab_size, self.model)
         with phases("tokenize"):
-            ids, used, candidates = tokens.ids, tokens.used, tokens.candidates
-            rows_ids = [row for row in ids for _ in tags]  # question-major: a question's rows share a batch
-            rows_tags = tags * len(ids)
-            lengths = [len(row) for row in rows_ids]
-            if use_prefixes:  # (the shared prefixes and batches, from the token ids)
-                groups, shared = subject_prefixes(questions, used, ids)
-                rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
-                suffix = [n - p for n, p in zip(lengths, rows_prefix)]
-                per_token = prefix_bytes_per_token(args, DTYPES[options.dtype])
-                group_bytes = {g: shared[q] * per_token * len(tags) for q, g in enumerate(groups)}  # every model's
-                cache = engine.prefix_cache.budget if engine is not None else options.prefix_cache_memory
-                batches = batches_in_order(grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags],
-                                                         group_bytes, cache), suffix, batch_tokens)
-            else:
-                rows_prefix, suffix = None, lengths
-                batches = make_batches(lengths, batch_tokens)
+            self._plan_rows()
         with phases("load"):
-            engine = engine or Engine.load(model, parsed, options)
+            self.engine = self.engine or Engine.load(self.model, self.parsed, self.options)
         # said once every input (the weights too) is checked: an input error stays the only line on stderr
-        if options.prefix_cache and options.expert_parallel:
-            notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every forward); "
-                   "full prompts run")
+        if self.options.prefix_cache and self.options.expert_parallel:
+            run.notice("mmlu: shared prefixes are off under --expert-parallel (every rank takes part in every "
+                       "forward); full prompts run")
+        return Units([len(b) for b in self.batches], "rows", lockstep=self.options.expert_parallel)
 
-        compiled = COMPILE_CLOCK.seconds  # Triton's compile seconds so far (runners/compile_clock.py)
-        with phases("forward"), folder.work([len(b) for b in batches], "mmlu", "rows", quiet,
-                                            lockstep=options.expert_parallel) as work:
-            def start(b):
-                if b is None:
-                    return engine.stand_in()
-                batch = batches[b]
-                before = engine.tokens_computed
-                scores = engine.start_next_token_logprobs(
-                    Batch([rows_ids[i] for i in batch], [rows_tags[i] for i in batch],
-                          None if rows_prefix is None else [rows_prefix[i] for i in batch]), candidates)
-                return scores, engine.tokens_computed - before
+    def _plan_rows(self) -> None:
+        """The rows (every question under every model, question-major: a question's rows share a batch), their
+        shared prefixes and the batches, from the token ids."""
+        ids, tags = self.tokens.ids, self.tags
+        self.rows_ids = [row for row in ids for _ in tags]
+        self.rows_tags = tags * len(ids)
+        self.lengths = lengths = [len(row) for row in self.rows_ids]
+        if self.use_prefixes:
+            groups, shared = subject_prefixes(self.questions, self.tokens.used, ids)
+            self.rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
+            self.suffix = suffix = [n - p for n, p in zip(lengths, self.rows_prefix)]
+            per_token = prefix_bytes_per_token(self.args, DTYPES[self.options.dtype])
+            group_bytes = {g: shared[q] * per_token * len(tags) for q, g in enumerate(groups)}  # every model's
+            cache = self.engine.prefix_cache.budget if self.engine is not None else self.options.prefix_cache_memory
+            order = grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags], group_bytes, cache)
+            self.batches = batches_in_order(order, suffix, self.batch_tokens)
+        else:
+            self.rows_prefix, self.suffix = None, lengths
+            self.batches = make_batches(lengths, self.batch_tokens)
 
-            def finish(b, started):
-                scores, computed = started[0].get(), started[1]
-                bad = first_non_finite(scores)
-                if bad is not None:  # (accuracy would be computed from NaN)
-                    row = batches[b][bad]
-                    q = questions.iloc[row // len(tags)]
-                    raise overflow_error(model, adapters, rows_tags[row],
-                                         f"{q['subject']} question {q['question_index']}", options.dtype)
-                scores = scores.numpy()
-                return pd.DataFrame({"row": batches[b], **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
-                                     "tokens_computed": np.asarray([computed] + [0] * (len(batches[b]) - 1),
-                                                                   dtype=np.int64)})  # the unit's, on its first row
+    def run(self, work: Work, run: Run) -> None:
+        work.overlapped(range(len(self.batches)), self._start, self._finish)
 
-            work.overlapped(range(len(batches)), start, finish)
-        phases.captured(engine.graph_stats(), COMPILE_CLOCK.seconds - compiled)
+    def _start(self, b):
+        if b is None:
+            return self.engine.stand_in()
+        batch = self.batches[b]
+        before = self.engine.tokens_computed
+        scores = self.engine.start_next_token_logprobs(
+            Batch([self.rows_ids[i] for i in batch], [self.rows_tags[i] for i in batch],
+                  None if self.rows_prefix is None else [self.rows_prefix[i] for i in batch]), self.tokens.candidates)
+        return scores, self.engine.tokens_computed - before
 
-        def merge(frames: dict[int, pd.DataFrame]) -> MmluResult:
-            with phases("metrics"):
-                lp = np.empty((len(rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
-                tokens_computed = 0  # by whichever run and rank computed each unit
-                for frame in frames.values():
-                    lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
-                    tokens_computed += int(frame["tokens_computed"].sum()) if "tokens_computed" in frame else 0
-                table = question_table(questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
-                subject_rows = subject_table(table)
-                summary = summary_table(table, max_drop)
-            timings = phases.timings()
-            prompt_lengths = np.array([len(row) for row in ids])
-            computed_s = max(timings["forward_s"], 1e-9)
-            run = folder.run_record(
-                arguments=arguments, timings=timings,
-                resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1,
-                              batch_invariant=options.batch_invariant),
-                work=work.stats(), questions=len(ids), rows=len(rows_ids), batches=len(batches),
-                padding_waste=padding_waste(suffix, batches),
-                tokens_computed=tokens_computed, tokens_full_prompts=int(sum(lengths)),
-                prefix_cache=dict(enabled=use_prefixes, computed_share=tokens_computed / max(sum(lengths), 1),
-                                  rows_with_prefix=sum(1 for p in rows_prefix or () if p),
-                                  this_process=engine.prefix_stats()),
-                questions_per_s=work.stats()["computed"] / len(models) / computed_s,
-                rows_per_s=work.stats()["computed"] / computed_s,
-                prompts=dict(shots=shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
-                             tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=max_len,
-                             with_fewer_shots=int(sum(u < shots for u in used)),
-                             tokenized_beside_load_s=None if tokenizing is None else tokenizing.seconds),
-                answer_tokens={x: dict(id=t, token=name)
-                               for x, t, name in zip(LETTERS, candidates, tokens.candidate_tokens)},
-                data=dict(layout=layout, path=str(data), files=len(set(files))),
-                quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
-            result = MmluResult(questions=table, subjects=subject_rows, summary=summary, run=run)
-            result.run["completed"] = dict(at=now(), passed=result.passed, exit_code=result.exit_code)
-            with phases("write"):  # (the reports show the phases before this one: results.WRITTEN_AFTER_REPORTS)
-                written = {**table_files(result), **report_files(result)}
-            result.run["timings"] = phases.timings()
-            folder.commit(written, result.run)
-            return result
+    def _finish(self, b, started) -> pd.DataFrame:
+        scores, computed = started[0].get(), started[1]
+        bad = first_non_finite(scores)
+        if bad is not None:  # (accuracy would be computed from NaN)
+            row = self.batches[b][bad]
+            q = self.questions.iloc[row // len(self.tags)]
+            raise overflow_error(self.model, self.adapters, self.rows_tags[row],
+                                 f"{q['subject']} question {q['question_index']}", self.options.dtype)
+        scores = scores.numpy()
+        n = len(self.batches[b])
+        return pd.DataFrame({"row": self.batches[b], **{f"lp_{x}": scores[:, j] for j, x in enumerate(LETTERS)},
+                             "tokens_computed": np.asarray([computed] + [0] * (n - 1), dtype=np.int64)})  # (row 1)
 
-        return folder.finish(work, merge, lambda: read_run(out))
+    def merge(self, frames: dict[int, pd.DataFrame], run: Run) -> MmluResult:
+        ids, models, tokens = self.tokens.ids, self.models, self.tokens
+        with run.phases("metrics"):
+            lp = np.empty((len(self.rows_ids), len(LETTERS)), dtype=np.float32)  # [rows, 4]
+            tokens_computed = 0  # by whichever run and rank computed each unit
+            for frame in frames.values():
+                lp[frame["row"].to_numpy()] = frame[[f"lp_{x}" for x in LETTERS]].to_numpy(dtype=np.float32)
+                tokens_computed += int(frame["tokens_computed"].sum()) if "tokens_computed" in frame else 0
+            table = question_table(self.questions, models, lp.reshape(len(ids), len(models), len(LETTERS)))
+            subject_rows = subject_table(table)
+            summary = summary_table(table, self.max_drop)
+        computed_s = max(run.phases.timings()["forward_s"], 1e-9)
+        prompt_lengths = np.array([len(row) for row in ids])
+        options, ranks, engine, computed = self.options, run.ranks, self.engine, run.work.stats()["computed"]
+        record = run.record(
+            resolved=dict(device=options.device, dtype=options.dtype, ranks=ranks.world if ranks else 1,
+                          batch_invariant=options.batch_invariant),
+            questions=len(ids), rows=len(self.rows_ids), batches=len(self.batches),
+            padding_waste=padding_waste(self.suffix, self.batches),
+            tokens_computed=tokens_computed, tokens_full_prompts=int(sum(self.lengths)),
+            prefix_cache=dict(enabled=self.use_prefixes, computed_share=tokens_computed / max(sum(self.lengths), 1),
+                              rows_with_prefix=sum(1 for p in self.rows_prefix or () if p),
+                              this_process=engine.prefix_stats()),
+            questions_per_s=computed / len(models) / computed_s, rows_per_s=computed / computed_s,
+            prompts=dict(shots=self.shots, tokens_mean=float(prompt_lengths.mean()) if len(ids) else 0.0,
+                         tokens_max=int(prompt_lengths.max()) if len(ids) else 0, max_position_embeddings=self.max_len,
+                         with_fewer_shots=int(sum(u < self.shots for u in tokens.used)),
+                         tokenized_beside_load_s=None if self.tokenizing is None else self.tokenizing.seconds),
+            answer_tokens={x: dict(id=t, token=name)
+                           for x, t, name in zip(LETTERS, tokens.candidates, tokens.candidate_tokens)},
+            data=self.data_record, quantization=engine.model.args.quantization, cuda_graphs=engine.graph_stats())
+        return MmluResult(questions=table, subjects=subject_rows, summary=summary, run=record)
+
+    def files(self, result: MmluResult) -> dict[str, bytes]:
+        return {**table_files(result), **report_files(result)}
