@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,17 +70,22 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
 
+@dataclass
 class CompareTask(Task):
-    """compare through the run protocol (tasks/run.py). Units: the reference batches, then the adapter applied
-    gate's base re-runs."""
+    """compare through the run protocol (tasks/run.py), with the arguments of `compare`. Units: the reference batches,
+    then the adapter applied gate's base re-runs."""
 
     command = "compare"
-
-    def __init__(self, model, adapters, references, *, options, batch_tokens, max_k2, max_mean_abs_diff,
-                 max_k2_over_floor, check_adapters, engine):
-        self.model, self.adapters, self.references, self.options = model, adapters, references, options
-        self.batch_tokens, self.check_adapters, self.engine = batch_tokens, check_adapters, engine
-        self.max_k2, self.max_mean_abs_diff, self.max_k2_over_floor = max_k2, max_mean_abs_diff, max_k2_over_floor
+    model: str | Path
+    adapters: dict | None
+    references: list | tuple
+    options: EngineOptions | None
+    batch_tokens: int
+    max_k2: float | None
+    max_mean_abs_diff: float | None
+    max_k2_over_floor: float | None
+    check_adapters: bool
+    engine: Engine | None
 
     def check(self, run: Run) -> dict:
         self.options = (self.options or EngineOptions()).resolved()

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,16 +48,18 @@ def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
 
+@dataclass
 class DumpReferenceTask(Task):
-    """dump-reference through the run protocol. Units: one prompt each, run adapter by adapter (a model is
-    loaded once, each adapter applied to it in turn)."""
+    """dump-reference through the run protocol, with the arguments of `dump_reference`. Units: one prompt each, run
+    adapter by adapter (a model is loaded once, each adapter applied to it in turn)."""
 
     command = "dump-reference"
     single_file = True
-
-    def __init__(self, model_dir, adapters, prompts, *, options, default_adapter):
-        self.model_dir, self.adapters, self.prompts = model_dir, adapters, prompts
-        self.options, self.default_adapter = options, default_adapter
+    model_dir: str | Path
+    adapters: dict | None
+    prompts: str | Path
+    options: EngineOptions | None
+    default_adapter: str | None
 
     def check(self, run: Run) -> dict:
         self.options = (self.options or EngineOptions()).resolved()

@@ -104,18 +104,24 @@ def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, r
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
 
+@dataclass
 class DiagnoseTask(Task):
-    """diagnose through the run protocol (tasks/run.py), in one process. Units: the k2 pass's batches, then the
-    comparisons (a sample free-running, or a layer layer by layer), then the chosen adapter samples' module effects."""
+    """diagnose through the run protocol (tasks/run.py), in one process, with the arguments of `diagnose`. Units: the
+    k2 pass's batches, then the comparisons (a sample free-running, or a layer layer by layer), then the chosen
+    adapter samples' module effects."""
 
     command = "diagnose"
     distributed = False
-
-    def __init__(self, model, adapters, references, *, options, samples, against_model, against_dtype,
-                 against_adapters, layer_by_layer, batch_tokens):
-        self.model, self.adapters, self.references, self.options = model, adapters, references, options
-        self.samples, self.against_model, self.against_dtype = samples, against_model, against_dtype
-        self.against_adapters, self.layer_by_layer, self.batch_tokens = against_adapters, layer_by_layer, batch_tokens
+    model: str | Path
+    adapters: dict | None
+    references: list | tuple
+    options: EngineOptions | None
+    samples: int
+    against_model: str | Path | None
+    against_dtype: str
+    against_adapters: str
+    layer_by_layer: bool
+    batch_tokens: int
 
     def check(self, run: Run) -> dict:
         self.options = options = (self.options or EngineOptions()).resolved()

@@ -17,6 +17,7 @@ rank must take part in every MoE layer's exchange).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -97,18 +98,24 @@ def mmlu(model: str | Path, adapters: dict[str, str | Path] | None = None, data:
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
 
+@dataclass
 class MmluTask(Task):
-    """mmlu through the run protocol (tasks/run.py). Units: batches of rows, a row being a question under one model
-    (base or an adapter); a question's rows share a batch."""
+    """mmlu through the run protocol (tasks/run.py), with the arguments of `mmlu`. Units: batches of rows, a row
+    being a question under one model (base or an adapter); a question's rows share a batch."""
 
     command = "mmlu"
-
-    def __init__(self, model, adapters, data, *, split, shots, subjects, limit, max_drop, options, batch_tokens,
-                 engine):
-        self.model, self.adapters, self.data, self.split, self.shots = model, adapters, data, split, shots
-        self.subjects, self.limit, self.max_drop, self.options = subjects, limit, max_drop, options
-        self.batch_tokens, self.engine = batch_tokens, engine
-        self.tokenizing = None  # the prompts, tokenised in a child process beside the model's load (tokenize.py)
+    tokenizing = None  # the prompts, tokenised in a child process beside the model's load (tokenize.py)
+    model: str | Path
+    adapters: dict | None
+    data: str | Path | None
+    split: str
+    shots: int
+    subjects: list | str | None
+    limit: int | None
+    max_drop: float | None
+    options: EngineOptions | None
+    batch_tokens: int
+    engine: Engine | None
 
     def check(self, run: Run) -> dict:
         self.options = (self.options or EngineOptions()).resolved()
