@@ -134,9 +134,8 @@ def expand_rank_step(tiles: dict, gated: bool, rank: int, shrink_cols: int, size
 
 def gemm_stages(tiles: dict, gated: bool, lora_cols: int, shrink_cols: int, size: int) -> int:
     """The grouped GEMM's pipeline depth with LoRA work: tiles' num_stages, less while _gemm_smem would not fit
-    GEMM_SMEM (without it every expert adapter of rank 32 overflowed shared memory at 64 and at 2048+ tokens, found
-    by the sm_90 compile test). lora_cols: the expand's rank step (expand_rank_step). Work that fits no depth is
-    refused by name."""
+    GEMM_SMEM (the expand's operands share it with the stages: tests/kernels/test_sm90_compile.py compiles ranks 32
+    and 64). lora_cols: the expand's rank step (expand_rank_step). Work that fits no depth is refused by name."""
     stages = tiles["num_stages"]
     while stages > 2 and _gemm_smem(tiles, gated, lora_cols, shrink_cols, size, stages) > GEMM_SMEM:
         stages -= 1

@@ -7,12 +7,11 @@ tokens in row-major [B, L] order), weight [D], cos / sin [B, L, D] (any strides,
   out = n * cos + rotate_half(n) * sin, rotate_half(n) = [-n2, n1]  (rope's numbers: float32, one rounding)
 Replaces the norm's pass and the rope's pass over the projection with one read and one write.
 
-Why the projection's LoRA expand is not folded in here: a variant with the expand inside took the sum of squares of a
-tile that had been a dot's accumulator, in that dot's register layout, and Triton reduces a tile in the order its
-layout gives. At Qwen3-30B-A3B's q (32 heads of 128) about one value in two million of the rows without an adapter
-came out a bf16 step apart from the plain kernel's, so a batch with an adapter row changed the base rows' logprobs
-by up to 0.11 nats (issue 41; one in two million slipped past a test of 4 heads x 1024 tokens). The expand runs
-before this kernel instead (dense_lora.dense_lora_expand, in place): every row then goes through the one kernel.
+Why the projection's LoRA expand is not folded in here: with the expand inside, the sum of squares is taken over a
+tile that was a dot's accumulator, in that dot's register layout, and Triton reduces a tile in the order its layout
+gives, so a base row's values would depend on whether the batch holds an adapter row (issue 41; BENCHMARKS-history 16
+and 18.2). The expand runs before this kernel instead (dense_lora.dense_lora_expand, in place): every row then goes
+through the one kernel.
 """
 
 from __future__ import annotations

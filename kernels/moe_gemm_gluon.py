@@ -19,9 +19,8 @@ load not yet issued); down's pair shrink is one more wgmma per step on N tile 0 
 in the ring. Epilogues: gate_up's activation tile leaves through a TMA store that overlaps the next tile; down's
 routing-weighted rows go out as 16-byte rows by pair id (padding rows skipped), through the weight buffer the tile's
 last step leaves free.
-H100, Qwen3-30B-A3B shapes (retired gluon_moe_gemm.py; BENCHMARKS-history 1): gate_up 809 against moe_gemm's
-843 us, down 407 against 445 at 8192 tokens; down with the pair shrink 427 against 458. Gluon does not run in the
-Triton interpreter: moe_gemm is the CPU-tested path; the GPU tests check these kernels against it bit for bit and
+Faster than moe_gemm from 8192 tokens (BENCHMARKS-history 1, its ninth and later sessions; 18.2). Gluon does not run
+in the Triton interpreter: moe_gemm is the CPU-tested path; the GPU tests check these kernels against it bit for bit and
 against the torch references here, and the CPU suite compiles them for sm_90 (tests/kernels/test_sm90_compile.py).
 """
 

@@ -17,9 +17,8 @@ from .tiles import POSITIONS_PER_PROGRAM
 
 def attention_layout(B: int, heads: int, L: int, D: int, dtype: torch.dtype, device) -> torch.Tensor:
     """An empty [B, heads, L, D] tensor whose memory is in [B, L, heads, D] order: cuDNN's attention writes its
-    output in q's order, so the [B*L, heads*D] view of that output (o_proj's input) needs no transpose copy. H100,
-    Qwen3-30B-A3B at 4 x 1024 tokens, q/k norm + RoPE, attention and o_proj: 219 us against 263 us with
-    [B, heads, L, D] memory and the copy (BENCHMARKS-history.md section 3)."""
+    output in q's order, so the [B*L, heads*D] view of that output (o_proj's input) needs no transpose copy
+    (BENCHMARKS-history 3, "q and k written in [B, L, heads, D] memory order")."""
     return torch.empty(B, L, heads, D, dtype=dtype, device=device).transpose(1, 2)
 
 

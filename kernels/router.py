@@ -3,11 +3,10 @@ renormalised to sum 1 when asked (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE routing).
 
 Shapes: logits [T, E] (any float dtype, last dim contiguous) -> weights [T, k] float32, ids [T, k] int64, by
 descending weight; among equal probabilities the lower expert comes first. One launch does what torch does in
-three to five (softmax, topk, sum, divide); torch's topk alone costs ~30 us at T = 4096, E = 128 on an H100.
-A router LoRA's delta is expanded into the logits before (Forward.route): an expand inside this kernel put the
-logits in the dot's layout, the softmax then summed in another order, and rows without an adapter got routing
-weights a bit apart from a batch without adapters (issue #23). The separate expand's cost: 48 layers, 4 x 1024,
-one adapter, graphs, H200: 69.9 against 68.9 ms (+1.4%), base unchanged (BENCHMARKS-history.md section 7).
+three to five (softmax, topk, sum, divide).
+A router LoRA's delta is expanded into the logits before (Forward.route): an expand inside this kernel would put
+the logits in the dot's layout and sum the softmax in another order, and rows without an adapter would get routing
+weights a bit apart from a batch without adapters (issue #23; the cost: BENCHMARKS-history 7 and 18.2).
 """
 
 from __future__ import annotations

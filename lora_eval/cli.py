@@ -34,8 +34,8 @@ def speaks() -> bool:
 def run(command: str, /, **arguments) -> None:
     """Do `command` (commands.py's `<command>_command`), imported only now that the arguments are parsed. A SIGINT /
     SIGTERM during the import is held and acted on once it is done: raised inside torch's import machinery, the
-    exception was swallowed there (the run went on and exited 0) or broke the import (exit 3, or an abort) in about
-    1 of 100 signals sent in that second."""
+    exception can be swallowed there (the run goes on and exits 0) or break the import (exit 3, or an abort;
+    BENCHMARKS-history 18.3)."""
     with held_signals() as held:
         commands = importlib.import_module(".commands", __package__)
     if held:
@@ -148,7 +148,7 @@ def invariant_option(command):
 
 
 def prefix_option(command):
-    """--no-prefix-cache: for commands whose rows share leading tokens (lora_eval/prefixes.py)."""
+    """--no-prefix-cache: for commands whose rows share leading tokens (engine/prefixes.py)."""
     return click.option("--no-prefix-cache", is_flag=True,
                         help="Run every prompt whole instead of computing leading tokens that rows share once per "
                         "(prefix, adapter).")(command)
@@ -468,9 +468,8 @@ def main():
     one line, cleaning up as we go), even while torch is still being imported.
     Once the command has returned, its files written and closed, the process ends at once: exit handlers run
     (atexit: the process group's teardown, logging's flush), output is flushed, then os._exit (not under a profiler
-    or debugger: `_observed`). The interpreter's own teardown, freeing every tensor and the CUDA context one by one,
-    took 0.86-0.92 s after a compare on a 24-layer checkpoint on an H100, against 0.22-0.28 s this way
-    (BENCHMARKS-history section 13)."""
+    or debugger: `_observed`), faster than the interpreter's own teardown, which frees every tensor and the CUDA
+    context one by one (BENCHMARKS-history 13 and 18.3)."""
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, even where a parent ignored it
     try:

@@ -5,13 +5,13 @@ ranks exchange.
     lora-eval launch --nproc-per-node N compare ...                  (--nnodes and --master-addr for more machines)
 
 Every rank reads and checks the same inputs and builds the same list of units (batches, samples). Rank 0 owns the
-run folder (lock, staging, resume, the merge and the commit: runfolder.py); it shares which units earlier runs
+run folder (lock, staging, resume, the merge and the commit: results/runfolder.py); it shares which units earlier runs
 finished, every rank takes its share of the rest (`assign`: token-balanced, deterministic), computes it and writes its
 own parts, and rank 0 merges all parts into the files a single process writes. A unit's result does not depend on
 which rank computed it (the same batches), so the merged files equal a single process's byte for byte wherever the
 engine is batch-invariant.
 
-Expert parallel (expert_parallel.py) runs on the same ranks, its batches in lock-step (Work.steps).
+Expert parallel (engine/expert_parallel.py) runs on the same ranks, its batches in lock-step (Work.steps).
 
 Failures: the phases run inside `together()`, which ends with an exchange of every rank's outcome. An error on any
 rank fails every rank with the same exit code; the lowest failing rank prints the one line (naming its rank), the
@@ -21,10 +21,11 @@ when one dies) stop each rank after its current unit, its parts kept.
 
 Once a job's outcome is decided (an exchange found a failure; the run's final exchange, RunFolder.finish; a complete
 run found in the folder), SIGTERM stops nothing more: every rank leaves with that outcome. torchrun sends SIGTERM to
-the ranks still running as soon as one exits, and a rank exits with 1 when the thresholds are crossed, so rank 0,
-still writing its summary, printed "interrupted by SIGTERM" instead of the verdict (exit 143); after a failure, the
-failing rank's one line came with an "interrupted by SIGTERM" line of a peer. A rank 0.1-0.15 s late after the last
-exchange (a loaded machine) was enough. Signals arriving during such a collective are held until its outcome is known.
+the ranks still running as soon as one exits, and a rank exits with 1 when the thresholds are crossed: else rank 0,
+still writing its summary, would print "interrupted by SIGTERM" instead of the verdict (exit 143), and after a
+failure the failing rank's one line would come with an "interrupted by SIGTERM" line of a peer; a rank a little late
+after the last exchange (a loaded machine) is enough (BENCHMARKS-history 18.3). Signals arriving during such a
+collective are held until its outcome is known.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ FAILED = "lora_eval/failed"  # store key: set by a rank whose work failed
 
 def close_process_group() -> None:
     """At exit, while Python still runs: the process group torn down in order. Left to the interpreter's teardown,
-    a gloo worker now and then aborted (SIGABRT) after its run had finished (twice in CI, under load: the data-parallel
-    mmlu and prefixed compare tests); torch asks for destroy_process_group before exit."""
+    a gloo worker may abort (SIGABRT) after its run has finished (seen in CI under load: BENCHMARKS-history 18.3);
+    torch asks for destroy_process_group before exit."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -187,7 +188,7 @@ def assign(units: list[int], weights: list[int], world: int) -> list[list[int]]:
     rank's within the heaviest unit of the total / world (a unit goes to the rank whose share of the cumulative
     weight holds the unit's middle). Consecutive, so that neighbouring units stay together: a subject's MMLU
     batches, or a compare group's, share their prefixes, which a rank then computes once rather than every rank
-    (prefixes.py). The same on every rank for the same units."""
+    (engine/prefixes.py). The same on every rank for the same units."""
     units = list(units)
     total = sum(weights[u] for u in units)
     shares, before = [[] for _ in range(world)], 0

@@ -2,7 +2,7 @@
 Triton's JIT hooks: `knobs.runtime.jit_cache_hook` runs before a kernel variant compiles, `jit_post_compile_hook`
 after. Compiles inside a CUDA-graph capture are the graph runner's (its `capture_s` holds them), so it pauses the
 clock there; what the clock counts happened in eager forwards. A task moves those seconds from its forward phase to
-its compile phase (results.Phases.captured), so that a first run's compilation does not read as a slow forward
+its compile phase (results.tables.Phases.captured), so that a first run's compilation does not read as a slow forward
 (issue #24). Hooks set before ours still run, and their answer (a pre-compile hook may skip the compile) stands."""
 
 from __future__ import annotations

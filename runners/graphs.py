@@ -30,11 +30,8 @@ from .compile_clock import COMPILE_CLOCK
 
 MIN_LENGTH = 16
 # A capture (its warm-up and recording, the kernels' first loads for the shape) costs about as much as the forward of
-# this many tokens. 24-layer Qwen3-30B-A3B, compare with Triton's cache warm (BENCHMARKS-history.md sections 11, 12):
-# 0.26-0.35 s a capture (H200) against a forward of 106,000-143,000 tokens/s, i.e. 28,000-50,000 tokens. On that
-# job's reference (41 batches, 139,046 tokens) 30,000 gives 5 graphs computing 1.48x the tokens, 50,000 gave 4 and
-# 1.81x: the same capture + forward by these costs (2.74 / 2.80 s, H200), with a third less padding. (The A/B that
-# took 50,000 on one H200: 21 graphs -> 4, capture + forward 6.52 -> 3.57 s.)
+# this many tokens; 30,000 pads a third less than 50,000 for the same capture + forward: BENCHMARKS-history 12 and 13
+# (BENCHMARKS.md "graph buckets fitted at 30,000 tokens"; the figures: 18.3)
 CAPTURE_TOKENS = 30_000
 
 
@@ -171,7 +168,7 @@ class GraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # No garbage collection inside a capture: collecting an engine that is no longer referenced destroys its
-        # graphs, and destroying a graph while another is being captured invalidates that capture (H200: an
+        # graphs, and destroying a graph while another is being captured invalidates that capture (e.g. an
         # engine built per case in one process, the earlier ones dropped). torch's graph context no longer collects
         # on entry, so collect here, then hold collection off until the capture ends.
         gc.collect()
@@ -179,8 +176,9 @@ class GraphRunner:
         gc.disable()
         try:
             # Captured on `side`, a stream of the engine's GPU: torch's default capture stream is made once, on
-            # whichever GPU was current then, and entering a stream context makes its GPU current (H200 x2: an
-            # engine on cuda:1 after one on cuda:0 captured an empty graph and Triton refused cuda:1 pointers).
+            # whichever GPU was current then, and entering a stream context makes its GPU current (else an engine
+            # on cuda:1 after one on cuda:0 captures an empty graph: BENCHMARKS-history 11, "An engine on the second
+            # GPU").
             with torch.cuda.graph(graph, pool=self.pool, stream=side):  # entering empties the allocator's cache
                 before = torch.cuda.memory_reserved(self.device)  # so measure inside
                 hidden = self.build(ids, token_slots, lora)  # [rows * length, H]

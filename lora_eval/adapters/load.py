@@ -366,9 +366,9 @@ class _Parser:
         r = A.shape[0] // E
         scaling = self._scaling(a_key, f"{site}.{param}", r)
         A3 = A.reshape(E, r, A.shape[1])  # [E, r, in]
-        # [E, out, r], a view: made contiguous here, the strided copy and the scaling took 13.6 / 14.8 ms per layer
-        # for Qwen3-30B-A3B's gate_up / down (two CPU cores; 0.68 s for 24 layers) against 0.8 ms for scaling the
-        # view; the AdapterStack copies the factor to the compute device as it lies in memory and reorders it there
+        # [E, out, r], a view: a strided copy here would cost the load far more than scaling the view
+        # (BENCHMARKS-history 13 and 18.3); the AdapterStack copies the factor to the compute device as it lies in
+        # memory and reorders it there
         B3 = B.reshape(out, r, E).permute(2, 0, 1)
         if part == "gate_up" and self.sites.experts[site].interleaved_gate_up:  # the delta of the model's own param
             B3 = deinterleave_gate_up(B3, dim=1)  # [E, 2I, r]: gate rows, then up rows

@@ -7,7 +7,7 @@ never exists for the whole batch. A row with no adapter gets exactly the base mo
 
 A row may name leading tokens it shares with other rows (`Batch.prefixes`): they are computed once per (prefix,
 adapter), alone, and kept in a bounded cache (`prefixes.PrefixCache`), and the row runs only its suffix
-(lora_eval/prefixes.py says why and how; `tokens_computed` counts every position run, prefix passes included).
+(engine/prefixes.py says why and how; `tokens_computed` counts every position run, prefix passes included).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def on_its_device(method):
 class Batch:
     """`prefixes`: per row, how many of its leading tokens are a prefix it shares with other rows (0: none; None:
     no row has one). The engine computes such a prefix once per (prefix tokens, adapter) and runs only the rest of
-    the row (lora_eval/prefixes.py); what comes back is what the whole row gives, equal within rounding. A prefix
+    the row (engine/prefixes.py); what comes back is what the whole row gives, equal within rounding. A prefix
     must leave at least one token of its row."""
     input_ids: list[list[int]]
     adapters: list[str | None]  # one per row; None = base model

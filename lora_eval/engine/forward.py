@@ -332,8 +332,8 @@ class Forward:
         """Router: logits = router(x) -> softmax over the experts (float32) -> top-k -> renormalise if asked:
         x [T, H] -> weights [T, k] float32, expert ids [T, k]. The logits carry the rows' LoRA deltas (expanded in
         place, `linear`) before the top-k, so that one compiled top-k serves every batch: a top-k kernel with the
-        expand inside reduced the softmax in the expand's layout, another summation order, and the routing weights
-        of rows without an adapter then differed in the last bit from a batch without adapters (issue #23)."""
+        expand inside would reduce the softmax in the expand's layout, another summation order, and the routing
+        weights of rows without an adapter would differ in the last bit from a batch without adapters (issue #23)."""
         logits = self.linear(router, x)  # [T, E]
         if self.triton:
             weights, ids = router_topk(logits, top_k, renormalize)  # [T, k] float32, [T, k]

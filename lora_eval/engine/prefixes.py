@@ -160,9 +160,8 @@ def grouped_order(lengths: list[int], groups: list, group_bytes: dict | None = N
     and gathered into chunks whose prefixes fit the cache together (`group_bytes[g]`: the bytes of group g's
     computed prefixes, every adapter's; `budget`: the cache's): inside a chunk rows go by length, so that batches cut
     from this order pad little, and the prefixes a chunk's batches need stay cached until it ends (computed once).
-    Without `group_bytes` each group is a chunk of its own. MMLU's 5-shot test split, base + one adapter, 32k-token
-    batches, Qwen3-30B-A3B's prefixes: 33% of the positions padding with a chunk per subject, 6% with the default
-    2 GiB cache's chunks of ~19 subjects (BENCHMARKS-history.md section 9)."""
+    Without `group_bytes` each group is a chunk of its own. Chunks of many groups pad far less than a chunk per
+    group (MMLU's subjects: BENCHMARKS-history 9 and 18.3)."""
     chunk_of, chunk, used = {}, 0, 0
     for g in sorted(set(groups)):
         size = group_bytes[g] if group_bytes is not None else budget + 1

@@ -1,6 +1,6 @@
 """MMLU data: the test / val / dev questions of a local MMLU folder (nothing downloaded): CSV files with Python's csv
 module, parquet files with pyarrow, folders written by `datasets` with `datasets` (reading the first two through
-`datasets`' builders cost ~1-3 s of import and conversion, a twentieth of a whole GPU MMLU run, for the same values).
+`datasets`' builders would add seconds of import and conversion for the same values: BENCHMARKS-history 18.3).
 
 Two layouts: the original release (`dev/ val/ test/`, one headerless CSV per subject, `<subject>_<split>.csv`,
 columns question, A, B, C, D, answer letter) and Hugging Face `cais/mmlu` on disk — parquet files per subject and
@@ -8,8 +8,8 @@ split (`<subject>/test-00000-of-00001.parquet`; the `all/` folder is skipped whe
 folder written by `DatasetDict.save_to_disk` — with columns question, subject, choices (4 strings), answer (int
 0-3). The `validation` split is `val` here. Rows are numbered from 0 in file order (`question_index`).
 
-Read strictly, since a damaged file must not become questions (a quote opened and never closed once swallowed the
-next row: one question fewer, one taking another's answer): a CSV row is exactly six fields, none empty or only
+Read strictly, since a damaged file must not become questions (a quote opened and never closed swallows the next
+row: one question fewer, one taking another's answer): a CSV row is exactly six fields, none empty or only
 whitespace, quotes closed, the answer exactly one of A-D, and no field holds a row's end (',A'-',D' then a line
 break: a row swallowed by an unclosed quote; no field of the real release holds one); cais/mmlu rows have a
 non-empty question and subject, choices exactly 4 non-empty strings, the answer an integer 0-3 or a letter A-D. A

@@ -53,8 +53,8 @@ def load_tokenizer(model_dir: str | Path, needed_for: str | None = None):
 def load_decoder(model_dir: str | Path) -> Callable[[list[int]], str] | None:
     """Token ids -> their text, for reports (compare's worst tokens), or None when the folder has no readable
     tokenizer. A tokenizer.json is read by the `tokenizers` library alone: transformers' fast tokenizers decode
-    through that same object (special tokens kept, no clean-up of spaces), and importing transformers took ~2 s of
-    a compare command on the GPU machine (3.3 s profiled, 2.1 s of it listing the installed packages' metadata).
+    through that same object (special tokens kept, no clean-up of spaces), and importing transformers costs seconds
+    of a compare command (BENCHMARKS-history 12 and 18.3).
     Without one (a slow, sentencepiece-only tokenizer), transformers' tokenizer decodes."""
     path = Path(model_dir) / "tokenizer.json"
     if path.is_file():

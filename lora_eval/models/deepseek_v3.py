@@ -36,7 +36,7 @@ Checkpoint keys (CHECKPOINT_EXPERT_KEYS; everything else under its in-memory nam
 `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]; the router `mlp.gate.weight` [E, H] and
 `mlp.gate.e_score_correction_bias` [E]. Published DeepSeek-V3 checkpoints also hold the multi-token-prediction
 module as layer `num_hidden_layers` (num_nextn_predict_layers of them): not part of the causal LM, skipped on load
-(transformers ignores `model.layers.61.*` too). Block-FP8 releases are dequantised by lora_eval/quantized.py.
+(transformers ignores `model.layers.61.*` too). Block-FP8 releases are dequantised by models/quantized.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g
 On disk (transformers' layout) the experts are fused, transposed, with gate/up interleaved:
   mlp.experts.gate_up_proj [E, H, 2I] (x @ W; gate = [..., ::2], up = [..., 1::2]), gate_up_proj_bias [E, 2I],
   mlp.experts.down_proj [E, I, H], down_proj_bias [E, H].
-gpt-oss releases store the experts in MXFP4 (`gate_up_proj_blocks` / `_scales`, ...): lora_eval/quantized.py
+gpt-oss releases store the experts in MXFP4 (`gate_up_proj_blocks` / `_scales`, ...): models/quantized.py
 dequantises them into exactly this layout, so nothing below knows about it.
 In memory they take the engine's usual layout (FusedExperts: gate_up [E, 2I, H] gate rows then up rows, down
 [E, H, I]): `load_weights` de-interleaves and transposes them once, the one place where the on-disk layout differs

@@ -2,7 +2,7 @@
 one weight buffer), RMSNorm and Embedding, and RoPE.
 
 Each block knows its *site*: the Hugging Face / PEFT module path (`model.layers.3.self_attn.q_proj`), which
-is how adapters address it. A block holds weights only: the Forward it is called with (lora_eval/forward.py)
+is how adapters address it. A block holds weights only: the Forward it is called with (engine/forward.py)
 computes the op on its backend and adds each row's adapter delta.
 """
 
@@ -181,8 +181,8 @@ def _standard_rope(params: dict, theta, default_theta: float, where: str, key: s
 @dataclass(frozen=True, eq=False)
 class ProjectionGroup:
     """Projections of one input (a module's `input_groups`, e.g. q / k / v) whose weights and biases are row slices
-    of one buffer, so that the Triton path computes them in one GEMM (Forward.linears): at 128 tokens one
-    [T, 5120] GEMM for Qwen3-30B-A3B's q / k / v takes 6.8 us against 17.2 for the three (H100, BENCHMARKS.md)."""
+    of one buffer, so that the Triton path computes them in one GEMM (Forward.linears), faster than one each at
+    small batches (BENCHMARKS-history 3, "q / k / v computed in one GEMM"; 18.3)."""
     sites: tuple[str, ...]  # the members, in buffer order
     outs: tuple[int, ...]  # their output features
     weight: torch.Tensor  # [sum(outs), in]

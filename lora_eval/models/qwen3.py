@@ -167,7 +167,7 @@ class MLP(nn.Module):
     def forward(self, x, fwd, residual=None):
         """The MLP's output, added to `residual` [T, H] when given (the layer's residual stream)."""
         gate, up = fwd.linears((self.gate_proj, self.up_proj), x)  # [T, I], [T, I]
-        # silu through Forward.pointwise: over [T, I] torch gave the last (T * I mod 32) values, and with threads the
+        # silu through Forward.pointwise: over [T, I] torch gives the last (T * I mod 32) values, and with threads the
         # end of each thread's range, other bits (deepseek_v3's and glm4_moe's shared experts, I = 8: up to the
         # batch's last 3 tokens)
         return self.down_proj(fwd.pointwise(F.silu, gate) * up, fwd, residual=residual)  # [T, H]

@@ -1,5 +1,5 @@
 """diagnose.md, diagnose.html and the terminal summary of a diagnose run, from a DiagnoseResult (fresh, or read back
-with results.read_diagnose). The HTML page is self-contained (figures as inline SVG) and deterministic: no clock
+with results.tables.read_diagnose). The HTML page is self-contained (figures as inline SVG) and deterministic: no clock
 time, figures that are functions of the tables alone."""
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def _sides(record: dict) -> list[str]:
 
 
 def _side_b_adapters(b: dict) -> str:
-    """Which adapters side B ran, in words: diagnose.SideB.record's note (`adapters` in a record without one)."""
+    """Which adapters side B ran, in words: tasks/diagnose/task.py SideB.record's note (`adapters` in a record
+    without one)."""
     return b.get("note") or f"adapters {b.get('adapters')}"
 
 

@@ -1,6 +1,6 @@
 """Rendering results for people: terminal tables, the Markdown reports, and the report files of a run folder.
 
-Renderers read results (results.py) and never run a task; rendering is deterministic (no clock time but what
+Renderers read results (results/) and never run a task; rendering is deterministic (no clock time but what
 run.json holds), so `render(run_dir)` gives the bytes the run wrote.
 """
 
@@ -40,7 +40,7 @@ def verdict(result: CompareResult | MmluResult) -> str:
 
 def phase_times(run: dict) -> str:
     """'read 0.12 s, load 2.31 s, compile 0.00 s, forward 10.20 s, metrics 0.51 s, write 0.20 s; total 13.40 s':
-    where the time went, phase by phase (results.PHASES), as run.json records it."""
+    where the time went, phase by phase (results.tables.PHASES), as run.json records it."""
     timings = run.get("timings") or {}
     phases = {k[:-2]: v for k, v in timings.items() if k.endswith("_s") and k != "total_s"}
     work = run.get("work") or {}

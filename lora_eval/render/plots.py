@@ -1,7 +1,6 @@
 """Figures for the reports, from the run's DataFrames: each function returns an `svg.Figure` (drawn by our own
-SVG code, lora_eval/svg.py: milliseconds where matplotlib took ~1.1 s of compare's write phase) that report.html
-holds inline and Jupyter shows as it is. The same data give the same bytes, so a report re-rendered from the saved
-files equals the original.
+SVG code, render/svg.py, whose module notes say why not matplotlib) that report.html holds inline and Jupyter shows
+as it is. The same data give the same bytes, so a report re-rendered from the saved files equals the original.
 """
 
 from __future__ import annotations

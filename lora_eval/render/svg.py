@@ -1,11 +1,10 @@
 """SVG charts for the reports, written as text: panels with linear or log axes holding lines, bands, bars, step
 outlines, points, error bars and reference lines, with ticks, titles and legends.
 
-Our own code rather than matplotlib because the reports are drawn inside the command: compare's three matplotlib
-figures took ~1.1 s (0.33 s of it the import, most of the rest constrained layout and tick building) against a
-1.7 s forward on the GPU job, where these take milliseconds (BENCHMARKS-history section 15). The same data give
-the same bytes (no clock, no ids, coordinates rounded to 0.1 px). Text widths are estimated from the character
-count, so margins fit labels without a font engine.
+Our own code rather than matplotlib because the reports are drawn inside the command, where matplotlib's import,
+layout and ticks would cost a large share of a GPU run's forward and these take milliseconds (BENCHMARKS-history 15
+and 18.3). The same data give the same bytes (no clock, no ids, coordinates rounded to 0.1 px). Text widths are
+estimated from the character count, so margins fit labels without a font engine.
 """
 
 from __future__ import annotations

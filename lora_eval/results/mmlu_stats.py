@@ -8,7 +8,7 @@ the accuracy difference as a fraction.
 95% interval: Agresti and Min's (2005, "Simple improved confidence intervals for comparing matched proportions",
 Stat Med 24:729): the Wald interval of the paired difference after adding 1/2 to each of the four cells of the
 2x2 table, clipped to [-1, 1]. The plain Wald interval delta +- 1.96 sd(d) / sqrt(n) has no width where every d is
-the same (two questions both broken gave [-1, -1], "excluding 0" from two questions) and undercovers for small n;
+the same (two questions both broken give [-1, -1], "excluding 0" from two questions) and undercovers for small n;
 Agresti-Min's covers near 95% for small n, and for MMLU's 14,042 questions it is Wald's moved by at most
 2 |delta| / (n + 2) (a hundredth of a point or less: the added half questions are 2 of 14,044). Per subject and
 per category (micro over the category's questions, as the paper reports categories) and overall micro; macro = mean of the subject deltas, its standard error
