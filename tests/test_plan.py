@@ -46,7 +46,7 @@ def test_parameter_counts_agree_with_the_model_cards(name, tmp_path):
 
 
 def test_qwen3_235b_by_hand(tmp_path):
-    """The README's hand calculation: experts L x E x 3 x H x I; attention, routers, norms and the two embedding
+    """The hand calculation of docs/commands/plan.md: experts L x E x 3 x H x I; attention, routers, norms and the two embedding
     tables replicated."""
     L, E, H, I, V, k = 94, 128, 4096, 1536, 151936, 8
     q, kv, d = 64, 4, 128

@@ -5,7 +5,7 @@ Per token d = ref - engine over masked positions (DESIGN.md "Metrics"):
   k3 = mean(exp(d) - 1 - d);  mult_prob_error = mean(exp(|d|));  frac_gt_<t> = share of |d| > t.
 `sampler_*` twins apply the same formulas to d = ref - sampler: the noise floor of the original sampler.
 
-Gates (README "Gates"), decided here from numbers tasks/compare.py computed:
+Gates (docs/metrics.md "Gates"), decided here from numbers tasks/compare.py computed:
   adapter applied: an adapter's logprobs on a sample of its rows differ from the base model's on the same rows by
     more than the numerical noise: max |lp_adapter - lp_base| > NOISE_ULPS * eps(dtype) * max(1, mean |lp_base|)
     (`noise_bound`), unless a static fact of its files already says it changes nothing;
