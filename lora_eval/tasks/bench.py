@@ -41,6 +41,7 @@ import torch
 from ..adapters import load_adapter
 from ..engine.engine import DTYPES, Batch, Engine
 from ..errors import InputError, UnsupportedError
+from ..hf import quiet_libraries
 from ..inputs.references import write_reference
 from ..models import family_and_args, load_model_from_tensors
 from ..models.checkpoint import read_json
@@ -48,7 +49,6 @@ from ..models.layers import FusedExperts, Linear
 from ..models.quantized import KEY as QUANTIZATION_KEY
 from ..models.quantized import read_quantization
 from ..progress import progress
-from .dump_reference import quiet_libraries
 
 TARGETS = ("all", "attn", "experts")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
