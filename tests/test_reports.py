@@ -32,7 +32,8 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from lora_eval import golden, plots
+from lora_eval import golden
+from lora_eval.render import plots
 from lora_eval.cli import cli
 from lora_eval.tasks.compare import worst_tokens
 from lora_eval.render.formatting import display_table
