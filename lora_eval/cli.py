@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -105,7 +106,9 @@ def epilog(*examples: str) -> str:
 
 
 def model_and_adapters(command):
+    """--model and --adapter (repeatable; parsed into {name: dir})."""
     command = click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
+                           callback=lambda ctx, param, values: parse_named_paths(values, "--adapter"),
                            help="A PEFT adapter folder (repeatable).")(command)
     return click.option("--model", "model_dir", required=True, type=click.Path(),
                         help="Local Hugging Face checkpoint folder.")(command)
@@ -159,6 +162,7 @@ def references_and_out(command):
     command = click.option("--out", required=True, type=click.Path(),
                            help="Run folder to write (its parent must exist).")(command)
     return click.option("--reference", "references", multiple=True, required=True, metavar="[NAME=]FILE",
+                        callback=lambda ctx, param, values: parse_references(values),
                         help="Reference dump (.parquet, .jsonl, or NAME=FILE.pt); repeatable.")(command)
 
 
@@ -169,6 +173,14 @@ def run_options(command):
                         help="Replace what --out holds when lora-eval wrote it (a run of other inputs, or of another "
                         "command); never a file or folder lora-eval did not write; a partial run of these very inputs "
                         "is resumed either way.")(command)
+
+
+def engine_run_options(command):
+    """device_options, graph_options, invariant_option, prefix_option and run_options: for commands that run the
+    engine into a run folder (compare, mmlu)."""
+    for options in (run_options, prefix_option, invariant_option, graph_options, device_options):
+        command = options(command)  # (as decorators stacked bottom-up: --help lists device_options' first)
+    return command
 
 
 class Main(click.Group):
@@ -231,7 +243,20 @@ def cli():
     """Evaluate LoRA adapters on Mixture-of-Experts models against trainer references."""
 
 
-@cli.command(name="inspect", epilog=epilog(
+def command(name: str, examples: tuple[str, ...]):
+    """The decorated function (its docstring and options) as `cli`'s command `name`, with `examples` under its help;
+    the command does commands.py's `<name>_command` with the parsed options (`run`)."""
+    def register(function):
+        @functools.wraps(function)  # (the help, and the options Click's decorators stored on the function)
+        def do(**arguments):
+            run(name, **arguments)
+
+        return cli.command(name=name, epilog=epilog(*examples))(do)
+
+    return register
+
+
+@command("inspect", examples=(
     "lora-eval inspect --model Qwen3-30B-A3B --adapter mine=runs/adapter-1200",
     "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved"))
 @model_and_adapters
@@ -239,11 +264,9 @@ def cli():
               help="Row order of a fused 3D gate_up LoRA (see compare --help).")
 def inspect_cmd(**arguments):
     """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts."""
-    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
-    run("inspect", **arguments)
 
 
-@cli.command(name="dump-reference", epilog=epilog(
+@command("dump-reference", examples=(
     "lora-eval dump-reference --model MODEL --adapter mine=ADAPTER --prompts prompts.jsonl --out ref.parquet",
     "lora-eval dump-reference --model MODEL --adapter a=A --adapter b=B --default-adapter a --prompts p.jsonl "
     "--out ref.parquet --dtype float32"))
@@ -258,11 +281,9 @@ def inspect_cmd(**arguments):
 @run_options
 def dump_reference_cmd(**arguments):
     """Trainer-side reference logprobs from transformers + PEFT, in the native Parquet format."""
-    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
-    run("dump-reference", **arguments)
 
 
-@cli.command(name="compare", epilog=epilog(
+@command("compare", examples=(
     "lora-eval compare --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/mine",
     "lora-eval compare --model MODEL --adapter mine=ADAPTER --reference ref.jsonl --out runs/mine --max-k2 1e-3 "
     "--junit junit.xml",
@@ -281,21 +302,14 @@ def dump_reference_cmd(**arguments):
                    "nothing), e.g. for an adapter that is meant to be the identity.")
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
               help="Also write JUnit XML here: one testcase per adapter x threshold or gate.")
-@device_options
-@graph_options
-@invariant_option
-@prefix_option
-@run_options
+@engine_run_options
 def compare_cmd(**arguments):
     """Engine logprobs against trainer reference dumps; exit 1 when a threshold is crossed or a gate fails (an
     adapter that changes nothing). A run into a folder that holds this very run prints its summary; a killed run
     resumes where it stopped."""
-    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
-    arguments["references"] = parse_references(arguments["references"])
-    run("compare", **arguments)
 
 
-@cli.command(name="mmlu", epilog=epilog(
+@command("mmlu", examples=(
     "lora-eval mmlu --model MODEL --adapter mine=ADAPTER --data mmlu/ --out runs/mmlu --max-drop 1",
     "lora-eval mmlu --model MODEL --adapter a=A --data mmlu/ --out runs/quick --subjects anatomy,virology --limit 20"))
 @model_and_adapters
@@ -312,27 +326,20 @@ def compare_cmd(**arguments):
               help="Padded tokens per forward batch.")
 @click.option("--junit", "junit_path", default=None, type=click.Path(dir_okay=False),
               help="Also write JUnit XML here: one testcase per adapter for --max-drop.")
-@device_options
-@graph_options
-@invariant_option
-@prefix_option
-@run_options
+@engine_run_options
 def mmlu_cmd(**arguments):
     """MMLU accuracy of the base model and every adapter in one pass; exit 1 when an adapter drops too much."""
-    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
-    run("mmlu", **arguments)
 
 
-@cli.command(name="demo", epilog=epilog("lora-eval demo", "lora-eval demo --out /tmp/lora-eval-demo --quiet"))
+@command("demo", examples=("lora-eval demo", "lora-eval demo --out /tmp/lora-eval-demo --quiet"))
 @click.option("--out", default="lora-eval-demo", type=click.Path(), show_default=True, help="Folder to build in.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def demo_cmd(**arguments):
     """Build a tiny MoE model, two adapters and a trainer reference, then run compare on them."""
-    run("demo", **arguments)
 
 
-@cli.command(name="report", epilog=epilog("lora-eval report runs/mine > report.html",
-                                          "lora-eval report runs/mmlu --format md --out mmlu.md"))
+@command("report", examples=("lora-eval report runs/mine > report.html",
+                              "lora-eval report runs/mmlu --format md --out mmlu.md"))
 @click.argument("run_dir", type=click.Path())
 @click.option("--format", "fmt", default="html", type=click.Choice(["html", "md"]), show_default=True)
 @click.option("--out", "out_path", default="-", type=click.Path(dir_okay=False, allow_dash=True),
@@ -340,10 +347,9 @@ def demo_cmd(**arguments):
 def report_cmd(**arguments):
     """Re-render a complete run folder's report (compare, mmlu or diagnose) from its saved files, without
     recomputing."""
-    run("report", **arguments)
 
 
-@cli.command(name="plan", epilog=epilog(
+@command("plan", examples=(
     "lora-eval plan --model Qwen3-235B-A22B --gpus 8",
     "lora-eval plan --model gpt-oss-120b --adapter mine=ADAPTER --gpus 4 --batch-tokens 16384 --gpu-memory 141"))
 @model_and_adapters
@@ -357,11 +363,9 @@ def report_cmd(**arguments):
 def plan_cmd(**arguments):
     """Per-GPU memory of a model and its adapters on one GPU, data parallel and expert parallel over --gpus, from
     config.json and file headers alone (a folder with only config.json will do); exit 1 when no layout fits."""
-    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
-    run("plan", **arguments)
 
 
-@cli.command(name="bench", epilog=epilog(
+@command("bench", examples=(
     "lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --layers 4 --batch 4x1024",
     "lora-eval bench --config benchmarks/configs/Qwen3-30B-A3B.json --skip-hf --batch 1x128 --batch 8x2048"))
 @click.option("--config", "config_path", required=True, type=click.Path(),
@@ -388,10 +392,9 @@ def plan_cmd(**arguments):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_cmd(**arguments):
     """Our engine against transformers + PEFT on a random-weight model of a config's real shape."""
-    run("bench", **arguments)
 
 
-@cli.command(name="diagnose", epilog=epilog(
+@command("diagnose", examples=(
     "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/why",
     "lora-eval diagnose --model MODEL --adapter mine=ADAPTER --reference ref.parquet --out runs/fp8 "
     "--against-model MODEL_FP8",
@@ -425,9 +428,6 @@ def diagnose_cmd(**arguments):
     (and its top-k flips), routed experts and residual stream on the samples with the largest k2, each adapter's
     effect per module, and the first divergent layer per adapter (layers.csv, modules.csv, diagnose.json,
     diagnose.md, diagnose.html)."""
-    arguments["adapters"] = parse_named_paths(arguments["adapters"], "--adapter")
-    arguments["references"] = parse_references(arguments["references"])
-    run("diagnose", **arguments)
 
 
 @cli.command(name="launch", context_settings=dict(ignore_unknown_options=True, allow_interspersed_args=False),
@@ -455,10 +455,8 @@ def launch_cmd(nproc_per_node, nnodes, node_rank, master_addr, master_port, comm
     if node_rank >= nnodes:
         raise click.BadParameter(f"{node_rank} is not below --nnodes {nnodes}", param_hint="--node-rank")
     arguments = list(args)
-    parsed = cli.get_command(click.get_current_context(), command).make_context(command, list(arguments))
-    for name, convert in (("adapters", parse_named_paths), ("references", parse_references)):
-        if name in parsed.params:  # the same checks a worker's command line gets, once, here
-            convert(parsed.params[name], *(["--adapter"] if name == "adapters" else []))
+    # the same checks a worker's command line gets, once, here
+    cli.get_command(click.get_current_context(), command).make_context(command, list(arguments))
     run("launch", command=[command, *arguments], nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port)
 

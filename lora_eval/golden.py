@@ -22,9 +22,10 @@ import pandas as pd
 from .cli import cli
 from .engine.engine import EngineOptions
 from .errors import InputError
+from .hf import quiet_libraries
 from .inputs.references import read_reference, write_reference
 from .tasks import demo
-from .tasks.dump_reference import dump_reference, quiet_libraries
+from .tasks.dump_reference import dump_reference
 
 GOLDEN = "demo-golden.parquet"
 # float32 engine against float32 transformers + PEFT: k2 ~ 1e-13 and mean |d| ~ 5e-7 on the demo model, so

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +42,8 @@ import lora_eval
 from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.cli import cli
 from lora_eval.tasks.mmlu.task import subject_prefixes
-from lora_eval.inputs.mmlu_data import CATEGORIES, LETTERS, _datasets_quiet, read_split, select
+from lora_eval.hf import quiet_libraries
+from lora_eval.inputs.mmlu_data import CATEGORIES, LETTERS, read_split, select
 from lora_eval.tasks.mmlu.prompts import answer_tokens, encode, prompts, tokenize, tokenize_prompts
 from lora_eval.tasks.mmlu.tokenize import TokenizeBeside
 from lora_eval.results.mmlu_stats import mcnemar_p, paired_interval, passes
@@ -173,18 +175,13 @@ def write_cais_parquet(root: Path, splits: dict[str, pd.DataFrame]) -> Path:
 
 def write_saved_dataset(root: Path, splits: dict[str, pd.DataFrame]) -> Path:
     """A DatasetDict with cais/mmlu features (answer a ClassLabel A-D) written by save_to_disk."""
-    import datasets
-
-    features = datasets.Features(dict(question=datasets.Value("string"), subject=datasets.Value("string"),
-                                      choices=datasets.List(datasets.Value("string")),
-                                      answer=datasets.ClassLabel(names=list(LETTERS))))
-    datasets.disable_progress_bars()
-    try:
+    with quiet_libraries(datasets=True) as datasets:
+        features = datasets.Features(dict(question=datasets.Value("string"), subject=datasets.Value("string"),
+                                          choices=datasets.List(datasets.Value("string")),
+                                          answer=datasets.ClassLabel(names=list(LETTERS))))
         dd = datasets.DatasetDict({("validation" if s == "val" else s): datasets.Dataset.from_pandas(
             cais_frame(f), features=features, preserve_index=False) for s, f in splits.items()})
         dd.save_to_disk(str(root))
-    finally:
-        datasets.enable_progress_bars()
     return root
 
 
@@ -697,9 +694,27 @@ def edit_lines(path: Path, row: int, replace) -> None:
 
 def test_datasets_is_offline_only_while_reading(monkeypatch):
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    with _datasets_quiet() as datasets:
+    with quiet_libraries(datasets=True) as datasets:
         assert datasets.config.HF_DATASETS_OFFLINE and os.environ["HF_DATASETS_OFFLINE"] == "1"
     assert "HF_DATASETS_OFFLINE" not in os.environ
+
+
+def test_quiet_libraries_keeps_the_libraries_quiet_inside_the_block_only():
+    import datasets
+    from datasets.utils import logging as ds_logging
+    from transformers.utils import logging as hf_logging
+
+    def state():
+        return (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), ds_logging.get_verbosity(),
+                datasets.is_progress_bar_enabled(), list(warnings.filters))
+
+    before = state()
+    with quiet_libraries(datasets=True):
+        assert state()[:4] == (hf_logging.ERROR, False, ds_logging.ERROR, False)
+        with warnings.catch_warnings(record=True) as seen:  # (records what the block's filters let through)
+            warnings.warn("advice")
+        assert seen == []
+    assert state() == before
 
 
 @pytest.fixture

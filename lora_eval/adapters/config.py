@@ -55,33 +55,15 @@ class AdapterConfig:
     def read(cls, adapter_dir: Path) -> "AdapterConfig":
         path = adapter_dir / "adapter_config.json"
         raw = read_json(path)
-        peft_type = raw.get("peft_type", "LORA")
-        if str(peft_type).upper() != "LORA":
-            raise UnsupportedError(path, f"peft_type '{peft_type}' is not supported (only LORA)", key="peft_type")
-        for key, value in raw.items():
-            if key in IGNORED or key in HONOURED or not value or value == DEFAULTS_OK.get(key):
-                continue
-            feature = REFUSED.get(key, f"the unknown setting '{key}'")
-            raise UnsupportedError(path, f"{feature} is not supported by lora-eval (value {value!r})", key=key)
-        init = raw.get("init_lora_weights")
-        if isinstance(init, str) and init.lower().startswith(RESIDUAL_INITS):
-            raise UnsupportedError(path, f"an adapter initialised with '{init}' and saved without PEFT's conversion "
-                                   "applies to PEFT's residual base model, not to this one: save it with "
-                                   "path_initial_model_for_weight_conversion", key="init_lora_weights")
+        _refuse_features(path, raw)
 
         def bad(key, expected):
             return InputError(path, f"expected {expected}, found {raw.get(key)!r}", key=key)
 
-        def is_number(v):  # Python's json reads NaN and Infinity
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-        def is_rank(v):
-            return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_RANK
-
         r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
-        if not is_rank(r):
+        if not _is_rank(r):
             raise bad("r", f"a positive integer rank up to {MAX_RANK}")
-        if not is_number(alpha):
+        if not _is_number(alpha):
             raise bad("lora_alpha", "a positive finite number")
         if not isinstance(raw.get("use_rslora") or False, bool):
             raise bad("use_rslora", "true or false")
@@ -118,8 +100,8 @@ class AdapterConfig:
         if layer_names and layers is None:
             raise InputError(path, "given without layers_to_transform (PEFT refuses this config)",
                              key="layers_pattern")
-        for key, valid, expected in (("rank_pattern", is_rank, f"positive integer ranks up to {MAX_RANK}"),
-                                     ("alpha_pattern", is_number, "positive finite numbers")):
+        for key, valid, expected in (("rank_pattern", _is_rank, f"positive integer ranks up to {MAX_RANK}"),
+                                     ("alpha_pattern", _is_number, "positive finite numbers")):
             patterns = raw.get(key) or {}
             if not isinstance(patterns, dict) or not all(valid(v) for v in patterns.values()):
                 raise bad(key, f"an object of module patterns to {expected}")
@@ -140,6 +122,33 @@ class AdapterConfig:
         a_key = _pattern_key(self.alpha_pattern, key)
         alpha = float(self.alpha_pattern[a_key]) if a_key else self.lora_alpha
         return int(r), (alpha / math.sqrt(r) if self.use_rslora else alpha / r)
+
+
+def _refuse_features(path: Path, raw: dict) -> None:
+    """Refuse by name a PEFT type other than LoRA, a setting that changes the forward and that we do not compute
+    (REFUSED, or one we do not know), and an adapter made for PEFT's residual base model (RESIDUAL_INITS)."""
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise UnsupportedError(path, f"peft_type '{peft_type}' is not supported (only LORA)", key="peft_type")
+    for key, value in raw.items():
+        if key in IGNORED or key in HONOURED or not value or value == DEFAULTS_OK.get(key):
+            continue
+        feature = REFUSED.get(key, f"the unknown setting '{key}'")
+        raise UnsupportedError(path, f"{feature} is not supported by lora-eval (value {value!r})", key=key)
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(RESIDUAL_INITS):
+        raise UnsupportedError(path, f"an adapter initialised with '{init}' and saved without PEFT's conversion "
+                               "applies to PEFT's residual base model, not to this one: save it with "
+                               "path_initial_model_for_weight_conversion", key="init_lora_weights")
+
+
+def _is_number(v) -> bool:
+    """A positive finite number (Python's json reads NaN and Infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _is_rank(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_RANK
 
 
 def _str_list(value) -> bool:

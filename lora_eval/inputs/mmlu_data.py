@@ -23,18 +23,16 @@ carry that as `key`. CATEGORIES: the paper's grouping of the 57 subjects.
 from __future__ import annotations
 
 import codecs
-import contextlib
 import csv
 import io
-import os
 import re
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from ..errors import InputError
+from ..hf import quiet_libraries
 
 LETTERS = ("A", "B", "C", "D")
 CSV_COLUMNS = ["question", *LETTERS, "answer"]
@@ -234,7 +232,7 @@ def _read_parquet(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame
 
 def _read_saved(data: Path, split: str) -> tuple[list[Path], list[pd.DataFrame]]:
     """Folders written by `DatasetDict.save_to_disk`: the data folder itself or one per subject."""
-    with _datasets_quiet() as datasets:
+    with quiet_libraries(datasets=True) as datasets:
         roots = [data] if (data / "dataset_dict.json").is_file() else sorted(
             p.parent for p in data.glob("*/dataset_dict.json"))
         files, parts = [], []
@@ -293,37 +291,6 @@ def _checked(frame: pd.DataFrame, where: Path, keys: list[str] | None = None) ->
         if values[-1] not in LETTERS:
             raise InputError(where, f"answer must be one of {', '.join(LETTERS)}, found {values[-1]!r}", key=key)
     return frame.assign(file=str(where), row=np.arange(len(frame)), key=keys)
-
-
-@contextlib.contextmanager
-def _datasets_quiet():
-    """`datasets` offline (HF_DATASETS_OFFLINE=1 for the block), without its progress bars and logs; yields the
-    module. The user's setting is back afterwards."""
-    saved = os.environ.get("HF_DATASETS_OFFLINE")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # read when datasets is first imported
-    import datasets
-    from datasets.utils import logging as ds_logging
-    from huggingface_hub import constants
-
-    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True  # if it was imported before
-    bars_on = datasets.is_progress_bar_enabled()
-    verbosity = ds_logging.get_verbosity()
-    datasets.disable_progress_bars()
-    ds_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield datasets
-    finally:
-        ds_logging.set_verbosity(verbosity)
-        if bars_on:
-            datasets.enable_progress_bars()
-        if saved is None:
-            del os.environ["HF_DATASETS_OFFLINE"]
-        else:
-            os.environ["HF_DATASETS_OFFLINE"] = saved
-        offline = constants.HF_HUB_OFFLINE if saved is None else saved.upper() in datasets.config.ENV_VARS_TRUE_VALUES
-        datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = offline  # as datasets/config.py
 
 
 def select(questions: pd.DataFrame, subjects, limit: int | None, data, split: str) -> pd.DataFrame:

@@ -3,11 +3,11 @@ worst tokens of a report, where token ids stand in without one)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import InputError
+from ..hf import quiet_libraries
 from ..models.checkpoint import readable_file
 
 # the files a tokenizer is saved in (transformers: fast, sentencepiece, BPE and WordPiece vocabularies); without
@@ -29,25 +29,19 @@ def load_tokenizer(model_dir: str | Path, needed_for: str | None = None):
         raise InputError(model_dir, f"{needed_for} needs the model's tokenizer, and the model folder has none (no "
                          f"{', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with quiet_libraries():
+        try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
             if not tokenizer("The answer is A.", add_special_tokens=False)["input_ids"]:
                 raise ValueError("it turns text into no tokens")  # a vocabulary of special tokens only
             return tokenizer
-    except Exception as e:  # transformers raises several types for a missing or broken tokenizer
-        if needed_for is None:
-            return None  # an unreadable tokenizer only costs the decoded text
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the message is one line
-        raise InputError(model_dir, f"{needed_for} needs the model's tokenizer, and the one in the model folder "
-                         f"cannot be used ({reason})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        except Exception as e:  # transformers raises several types for a missing or broken tokenizer
+            if needed_for is None:
+                return None  # an unreadable tokenizer only costs the decoded text
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # the message is one line
+            raise InputError(model_dir, f"{needed_for} needs the model's tokenizer, and the one in the model folder "
+                             f"cannot be used ({reason})") from None
 
 
 def load_decoder(model_dir: str | Path) -> Callable[[list[int]], str] | None:

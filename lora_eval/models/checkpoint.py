@@ -246,6 +246,20 @@ def read_weight(files, key: str, shape: tuple[int, ...]) -> torch.Tensor:
     return tensor
 
 
+def load_tensor(files, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                stored: tuple[int, ...] | None = None, to_ours=None) -> torch.Tensor:
+    """Checkpoint tensor `key` as a parameter of `shape`, in `dtype` on `device`: stored with shape `stored` (default:
+    `shape`) and brought into our layout by `to_ours` (then made contiguous). On the meta device only checked (headers:
+    check_weight), nothing read."""
+    if device.type == "meta":
+        check_weight(files, key, stored or shape)
+        return torch.empty(shape, dtype=dtype, device=device)
+    tensor = read_weight(files, key, stored or shape)
+    if to_ours is None:
+        return tensor.to(device=device, dtype=dtype)
+    return to_ours(tensor).to(device=device, dtype=dtype).contiguous()
+
+
 def _floating(files, key: str, dtype: torch.dtype | None) -> None:
     if dtype is None or not dtype.is_floating_point:
         found = "a dtype lora-eval does not read" if dtype is None else f"dtype {str(dtype).removeprefix('torch.')}"

@@ -41,16 +41,17 @@ module as layer `num_hidden_layers` (num_nextn_predict_layers of them): not part
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
 from . import qwen3
-from .checkpoint import check_weight, read_weight
-from .layers import (EPSILON_BELOW, FusedExperts, Linear, RMSNorm, config_reader, group_topk_sigmoid_routing,
-                     read_max_positions, rope_number, rope_parameters, yarn_mscale, yarn_rope)
+from .checkpoint import load_tensor
+from .layers import (EPSILON_BELOW, DecoderArgs, FusedExperts, Linear, RMSNorm, config_reader, read_max_positions,
+                     rope_number, rope_parameters, route_sigmoid_group_limited, yarn_mscale, yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -73,12 +74,7 @@ __all__ = ["MODEL_TYPES", "ModelArgs", "CausalLM", "load_weights"]
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
+class ModelArgs(DecoderArgs):
     q_lora_rank: int | None  # None: a direct q_proj
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -97,15 +93,11 @@ class ModelArgs:
     rms_norm_eps: float
     attention_bias: bool = False  # q_a_proj, kv_a_proj_with_mqa and o_proj (never q_proj, q_b_proj, kv_b_proj)
     rope_interleave: bool = True
-    tie_word_embeddings: bool = False
     num_mtp_layers: int = 0  # num_nextn_predict_layers: checkpoint layers after the last one, skipped on load
     mlp_bias: bool = False  # for qwen3.MLP: DeepSeek's MLPs have no biases
-    rope: dict = field(default_factory=dict)  # rope_type, rope_theta, dim (= qk_rope_head_dim) and its parameters
+    # (rope: rope_type, rope_theta, dim (= qk_rope_head_dim) and its parameters)
     rope_scale: float = 1.0  # the rope's attention factor (YaRN), multiplied into cos and sin
     softmax_scale: float = 1.0
-    max_position_embeddings: int | None = None
-    where: str = "config.json"
-    quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
     @property
     def head_dim(self) -> int:
@@ -281,36 +273,17 @@ class MoE(nn.Module):
 
     def forward(self, x, fwd, residual=None):
         """Routed plus shared experts, added to `residual` [T, H] when given (the layer's residual stream)."""
-        logits = fwd.linear_float32(self.gate, x)  # [T, E] float32 (router LoRA in the compute dtype)
-        scores = fwd.pointwise(torch.sigmoid, logits)  # [T, E] float32
-        weights, ids = group_topk_sigmoid_routing(scores, self.gate.e_score_correction_bias, self.top_k, self.n_group,
-                                                  self.topk_group, self.norm_topk_prob,
-                                                  self.scaling)  # [T, k] float32, [T, k]
-        fwd.observe_routing(self.gate.site, logits, ids)
+        weights, ids = route_sigmoid_group_limited(self.gate, x, fwd, self.top_k, self.n_group, self.topk_group,
+                                                   self.norm_topk_prob, self.scaling)  # [T, k] float32, [T, k]
         routed = fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
         out = self.shared_experts(x, fwd, residual=routed)  # [T, H]: routed + shared, transformers' order
         return out if residual is None else residual + out
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, index: int):
-        super().__init__()
-        prefix = f"model.layers.{index}"
-        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", args.hidden_size,
-                                                args.rms_norm_eps)
-        self.mlp = MoE(args, f"{prefix}.mlp") if index in args.sparse_layers else qwen3.MLP(args, f"{prefix}.mlp")
-
-    def forward(self, h, cos, sin, fwd):
-        h = self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd, residual=h)  # [T, H]: h + attention
-        return self.mlp(self.post_attention_layernorm(h, fwd), fwd, residual=h)  # [T, H]: h + MoE / MLP
-
-
 class CausalLM(qwen3.CausalLM):
     """Qwen3's causal LM (lora_eval/models/qwen3.py) over DeepSeek-V3 decoder layers; RoPE over the rope dims."""
 
-    decoder_layer = DecoderLayer
+    decoder_layer = partial(qwen3.DecoderLayer, attention=Attention, sparse_mlp=MoE)  # (dense layers: qwen3.MLP)
     rope_inv_freq = staticmethod(rope_inv_freq)
 
 
@@ -318,14 +291,8 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
     """Every checkpoint tensor of `model` (parameters and e_score_correction_bias) read from `files`, in `dtype`
     except the router's (float32). On the meta device only the keys and shapes are checked and nothing is read.
     (The multi-token-prediction layers after the last one: ModelArgs.skipped_key_prefixes.)"""
-    weights = qwen3.load_weights(model, files, dtype, device, CHECKPOINT_EXPERT_KEYS)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if not name.endswith(FLOAT32_KEYS) or (name in weights and dtype == torch.float32):
-            continue
-        shape = tuple(tensor.shape)
-        if device.type == "meta":
-            check_weight(files, name, shape)
-            weights[name] = torch.empty(shape, dtype=torch.float32, device=device)
-        else:
-            weights[name] = read_weight(files, name, shape).to(device=device, dtype=torch.float32)
+    weights = qwen3.load_weights(model, files, dtype, device, CHECKPOINT_EXPERT_KEYS, float32_keys=FLOAT32_KEYS)
+    for name, buffer in model.named_buffers():  # e_score_correction_bias (a buffer: not a parameter)
+        if name.endswith(FLOAT32_KEYS):
+            weights[name] = load_tensor(files, name, tuple(buffer.shape), torch.float32, device)
     return weights

@@ -30,14 +30,14 @@ exports (per-module keys `mlp.shared_experts.gate_proj.lora_A.weight`, ...); bot
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..errors import InputError
 from . import qwen3
-from .checkpoint import check_weight, read_weight
-from .layers import FusedExperts, Linear, group_topk_sigmoid_routing, rope_parameters
+from .layers import FusedExperts, Linear, route_sigmoid_group_limited, rope_parameters
 from .layers import rope_inv_freq as default_rope_inv_freq
 
 MODEL_TYPES = ("glm4_moe",)
@@ -160,36 +160,20 @@ class MoE(nn.Module):
 
     def forward(self, x, fwd, residual=None):
         """Routed plus shared experts, added to `residual` [T, H] when given (the layer's residual stream)."""
-        logits = fwd.linear_float32(self.gate, x)  # [T, E] float32
-        scores = fwd.pointwise(torch.sigmoid, logits)  # [T, E] float32
-        weights, ids = group_topk_sigmoid_routing(scores, self.gate.e_score_correction_bias, self.top_k, self.n_group,
-                                                  self.topk_group, self.norm_topk_prob,
-                                                  self.routed_scaling_factor)  # [T, k] float32, [T, k]
-        fwd.observe_routing(self.gate.site, logits, ids)
+        weights, ids = route_sigmoid_group_limited(self.gate, x, fwd, self.top_k, self.n_group, self.topk_group,
+                                                   self.norm_topk_prob,
+                                                   self.routed_scaling_factor)  # [T, k] float32, [T, k]
         routed = fwd.moe(self.experts, x, ids, weights.to(x.dtype))  # [T, H]
         out = routed + self.shared_experts(x, fwd)  # [T, H]: transformers adds the shared experts, then the residual
         return out if residual is None else residual + out
 
 
 class CausalLM(qwen3.CausalLM):
+    decoder_layer = partial(qwen3.DecoderLayer, attention=Attention, sparse_mlp=MoE)  # (dense layers: qwen3.MLP)
     rope_inv_freq = staticmethod(rope_inv_freq)
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)  # built on the meta device by load_model, so the swaps below cost nothing
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = Attention(args, f"model.layers.{i}.self_attn")
-            if i in args.sparse_layers:
-                layer.mlp = MoE(args, f"model.layers.{i}.mlp")
 
 
 def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Qwen3-MoE's loader (same keys, per-expert or fused experts); the routers' weights and correction biases stay
     float32 in every compute dtype (FLOAT32_KEYS), as transformers keeps them."""
-    weights = qwen3.load_weights(model, files, dtype, device)
-    for name in weights:
-        if name.endswith(FLOAT32_KEYS) and dtype != torch.float32:
-            shape = tuple(weights[name].shape)
-            weights[name] = torch.empty(shape, dtype=torch.float32, device=device) if device.type == "meta" \
-                else read_weight(files, name, shape).to(device=device, dtype=torch.float32)
-    return weights
-
+    return qwen3.load_weights(model, files, dtype, device, float32_keys=FLOAT32_KEYS)

@@ -17,15 +17,16 @@ from our modules. Module paths equal the Hugging Face ones, so adapter keys addr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..errors import InputError
 from . import qwen3
-from .checkpoint import check_weight, read_weight
-from .layers import (EPSILON_BELOW, FusedExperts, Linear, RMSNorm, config_reader, deinterleave_gate_up,
+from .checkpoint import load_tensor
+from .layers import (EPSILON_BELOW, DecoderArgs, FusedExperts, Linear, config_reader, deinterleave_gate_up,
                      read_max_positions, rope_parameters, yarn_rope)
 from .layers import rope_inv_freq as default_rope_inv_freq
 
@@ -46,12 +47,7 @@ CHECKPOINT_EXPERT_KEYS = {
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
+class ModelArgs(DecoderArgs):
     num_kv_heads: int
     head_dim: int
     intermediate_size: int  # per expert
@@ -63,12 +59,7 @@ class ModelArgs:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     attention_bias: bool = True
-    tie_word_embeddings: bool = False
-    rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the yarn parameters
     rope_scale: float = 1.0  # the rope's attention factor, multiplied into cos and sin
-    max_position_embeddings: int | None = None
-    where: str = "config.json"
-    quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
@@ -77,6 +68,10 @@ class ModelArgs:
     @property
     def moe_intermediate_size(self) -> int:
         return self.intermediate_size
+
+    @property
+    def qk_norm(self) -> bool:
+        return False  # (qwen3.Attention's per-head q/k norm)
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
@@ -137,33 +132,13 @@ def rope_inv_freq(head_dim: int, rope: dict, where: str = "config.json") -> torc
     return default_rope_inv_freq(head_dim, {rope["key"]: rope}, where)
 
 
-class Attention(nn.Module):
-    input_groups = qwen3.Attention.input_groups
+class Attention(qwen3.Attention):
+    """Qwen3's attention without q/k norm, with q/k/v/o biases, a learned logit per head in every softmax denominator
+    (`sinks`) and, on sliding-attention layers, a window (set by DecoderLayer)."""
 
-    def __init__(self, args: ModelArgs, index: int):
-        super().__init__()
-        prefix = f"model.layers.{index}.self_attn"
-        H, D, bias = args.hidden_size, args.head_dim, args.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, D
-        self.q_proj = Linear(f"{prefix}.q_proj", H, args.num_heads * D, bias)
-        self.k_proj = Linear(f"{prefix}.k_proj", H, args.num_kv_heads * D, bias)
-        self.v_proj = Linear(f"{prefix}.v_proj", H, args.num_kv_heads * D, bias)
-        self.o_proj = Linear(f"{prefix}.o_proj", args.num_heads * D, H, bias)
+    def __init__(self, args: ModelArgs, prefix: str):
+        super().__init__(args, prefix)
         self.sinks = nn.Parameter(torch.empty(args.num_heads), requires_grad=False)  # [nh] logit per head
-        self.window = args.sliding_window if args.layer_types[index] == "sliding_attention" else None
-
-    def forward(self, x, cos, sin, fwd, residual=None):
-        """Attention's output projection, added to `residual` [T, H] when given (the layer's residual stream)."""
-        B, L, _ = cos.shape
-        T = x.shape[0]
-        q, k, v = fwd.linears((self.q_proj, self.k_proj, self.v_proj), x)  # [T, nh*D], [T, nkv*D], [T, nkv*D]
-        q = q.view(B, L, self.num_heads, self.head_dim)  # [B, L, nh, D]
-        k = k.view(B, L, self.num_kv_heads, self.head_dim)  # [B, L, nkv, D]
-        v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
-        q, k = fwd.rope(q, cos, sin), fwd.rope(k, cos, sin)  # [B, nh, L, D], [B, nkv, L, D]
-        out = fwd.attention(q, k, v, self.head_dim**-0.5, sinks=self.sinks, window=self.window)  # [B, nh, L, D]
-        out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D], a view (attention_layout)
-        return self.o_proj(out, fwd, residual=residual)  # [T, H]
 
 
 class MoE(nn.Module):
@@ -184,19 +159,11 @@ class MoE(nn.Module):
         return fwd.moe(self.experts, x, ids, weights.to(x.dtype), residual=residual)  # [T, H]
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(qwen3.DecoderLayer):
     def __init__(self, args: ModelArgs, index: int):
-        super().__init__()
-        prefix = f"model.layers.{index}"
-        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, index)
-        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", args.hidden_size,
-                                                args.rms_norm_eps)
-        self.mlp = MoE(args, f"{prefix}.mlp")
-
-    def forward(self, h, cos, sin, fwd):
-        h = self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd, residual=h)  # [T, H]: h + attention
-        return self.mlp(self.post_attention_layernorm(h, fwd), fwd, residual=h)  # [T, H]: h + MoE
+        super().__init__(args, index, attention=Attention, sparse_mlp=MoE)  # (every layer is sparse)
+        if args.layer_types[index] == "sliding_attention":
+            self.self_attn.window = args.sliding_window  # this layer sees only the last `sliding_window` positions
 
 
 class CausalLM(qwen3.CausalLM):
@@ -210,29 +177,15 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
     """Every parameter of `model` read from checkpoint `files` in `dtype`, one tensor in memory at a time; expert
     tensors brought from transformers' layout into ours (CHECKPOINT_EXPERT_KEYS). On the meta device only the keys
     and shapes are checked and nothing is read."""
-    args = model.args
-    weights = {}
-    for name, param in model.named_parameters():
-        if name == "lm_head.weight" and name not in files and args.tie_word_embeddings:
-            continue  # tied below
+    def experts(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         kind = name.rsplit(".", 1)[-1]
-        shape = tuple(param.shape)
-        if ".mlp.experts." in name and kind in CHECKPOINT_EXPERT_KEYS:
-            transposed, _ = CHECKPOINT_EXPERT_KEYS[kind]
-            disk_shape = (shape[0], shape[2], shape[1]) if transposed else shape  # [E, in, out] on disk
-            if device.type == "meta":
-                check_weight(files, name, disk_shape)
-                weights[name] = torch.empty(shape, dtype=dtype, device=device)
-            else:
-                weights[name] = to_our_layout(kind, read_weight(files, name, disk_shape)).to(device=device, dtype=dtype)
-        elif device.type == "meta":
-            check_weight(files, name, shape)
-            weights[name] = torch.empty(shape, dtype=dtype, device=device)
-        else:
-            weights[name] = read_weight(files, name, shape).to(device=device, dtype=dtype)
-    if "lm_head.weight" not in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return weights
+        if ".mlp.experts." not in name or kind not in CHECKPOINT_EXPERT_KEYS:
+            return None
+        transposed, _ = CHECKPOINT_EXPERT_KEYS[kind]
+        stored = (shape[0], shape[2], shape[1]) if transposed else shape  # [E, in, out] on disk
+        return load_tensor(files, name, shape, dtype, device, stored, partial(to_our_layout, kind))
+
+    return qwen3.load_weights(model, files, dtype, device, expert_keys={}, read_own=experts)
 
 
 def to_our_layout(kind: str, t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Building blocks shared by the model families: adapter-aware Linear (and groups of them over one input sharing
-one weight buffer), RMSNorm and Embedding, and RoPE.
+"""Building blocks shared by the model families: the fields of every family's ModelArgs, adapter-aware Linear (and
+groups of them over one input sharing one weight buffer), RMSNorm and Embedding, RoPE, and the sigmoid router.
 
 Each block knows its *site*: the Hugging Face / PEFT module path (`model.layers.3.self_attn.q_proj`), which
 is how adapters address it. A block holds weights only: the Forward it is called with (engine/forward.py)
@@ -9,12 +9,29 @@ computes the op on its backend and adds each row's adapter delta.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
+
+
+@dataclass
+class DecoderArgs:
+    """The fields every family's ModelArgs holds (each subclasses it and adds its own): the sizes config.json names
+    for every family, and what from_config and the loader record beside them."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    _: KW_ONLY  # (so that a family's fields without a default may follow these)
+    tie_word_embeddings: bool = False
+    rope: dict = field(default_factory=dict)  # the family's rope settings (see its rope_inv_freq)
+    max_position_embeddings: int | None = None  # None where config.json names none
+    where: str = "config.json"  # the config file, for error messages
+    quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
 
 class Linear(nn.Module):
@@ -414,6 +431,20 @@ def group_topk_sigmoid_routing(scores: torch.Tensor, correction_bias: torch.Tens
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def route_sigmoid_group_limited(gate: Linear, x: torch.Tensor, fwd, top_k: int, n_group: int, topk_group: int,
+                                norm_topk_prob: bool,
+                                routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of DeepSeek-V3 and GLM-4.5 on x [T, H]: logits in float32 (`gate`'s weight and its
+    `e_score_correction_bias` held in float32; a router LoRA adds its delta in the compute dtype), sigmoid scores,
+    group_topk_sigmoid_routing; the routing observed -> weights [T, k] float32, expert ids [T, k]."""
+    logits = fwd.linear_float32(gate, x)  # [T, E] float32
+    scores = fwd.pointwise(torch.sigmoid, logits)  # [T, E] float32
+    weights, ids = group_topk_sigmoid_routing(scores, gate.e_score_correction_bias, top_k, n_group, topk_group,
+                                              norm_topk_prob, routed_scaling_factor)  # [T, k] float32, [T, k]
+    fwd.observe_routing(gate.site, logits, ids)
+    return weights, ids
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -9,6 +9,7 @@ Checkpoint keys are the Qwen3-MoE ones (per-expert gate_proj/up_proj/down_proj, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from . import qwen3
 from .layers import RMSNorm
@@ -56,7 +57,4 @@ class Attention(qwen3.Attention):
 
 
 class CausalLM(qwen3.CausalLM):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)  # built on the meta device by load_model, so the swap below costs nothing
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = Attention(args, f"model.layers.{i}.self_attn")
+    decoder_layer = partial(qwen3.DecoderLayer, attention=Attention)

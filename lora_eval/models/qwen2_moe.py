@@ -11,6 +11,7 @@ router renormalises only if `norm_topk_prob`. Checkpoint keys are the Qwen3-MoE 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -69,9 +70,4 @@ class SharedExpertMoe(qwen3.SparseMoe):
 
 
 class CausalLM(qwen3.CausalLM):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)  # built on the meta device by load_model, so the swaps below cost nothing
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = Attention(args, f"model.layers.{i}.self_attn")
-            if i in args.sparse_layers:
-                layer.mlp = SharedExpertMoe(args, f"model.layers.{i}.mlp")
+    decoder_layer = partial(qwen3.DecoderLayer, attention=Attention, sparse_mlp=SharedExpertMoe)

@@ -8,16 +8,16 @@ address our modules directly; CHECKPOINT_EXPERT_KEYS below is the one place wher
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError, UnsupportedError
-from .checkpoint import check_weight, read_weight
-from .layers import (EPSILON_BELOW, Embedding, FusedExperts, Linear, RMSNorm, config_reader, read_layer_list,
-                     read_layer_types, read_max_positions, rope_cos_sin, rope_inv_freq)
+from .checkpoint import check_weight, load_tensor, read_weight
+from .layers import (EPSILON_BELOW, DecoderArgs, Embedding, FusedExperts, Linear, RMSNorm, config_reader,
+                     read_layer_list, read_layer_types, read_max_positions, rope_cos_sin, rope_inv_freq)
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "llama")
 
@@ -27,12 +27,7 @@ CHECKPOINT_EXPERT_KEYS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj":
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
+class ModelArgs(DecoderArgs):
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
@@ -40,16 +35,11 @@ class ModelArgs:
     qk_norm: bool
     attention_bias: bool = False
     mlp_bias: bool = False
-    tie_word_embeddings: bool = False
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[int, ...] = ()
-    rope: dict = field(default_factory=dict)
-    max_position_embeddings: int | None = None  # None where config.json names none
-    where: str = "config.json"  # the config file, for error messages
-    quantization: str | None = None  # set on load: the numerics a quantized checkpoint's run emulates, or None
 
     @classmethod
     def from_config(cls, config: dict, where: str = "config.json") -> "ModelArgs":
@@ -124,6 +114,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(f"{prefix}.o_proj", args.num_heads * D, H, bias)
         self.q_norm = RMSNorm(f"{prefix}.q_norm", D, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(f"{prefix}.k_norm", D, args.rms_norm_eps) if args.qk_norm else None
+        self.sinks, self.window = None, None  # GPT-OSS's (models/gpt_oss.py): a logit per head, a sliding window
 
     def project(self, x, cos, sin, fwd):
         """q [B, nh, L, D] and k [B, nkv, L, D] after their norms (Qwen3's per head) and RoPE, v [T, nkv, D]
@@ -149,7 +140,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.project(x, cos, sin, fwd)
         v = v.view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, nkv, L, D]
-        out = fwd.attention(q, k, v, self.head_dim**-0.5)  # [B, nh, L, D]
+        out = fwd.attention(q, k, v, self.head_dim**-0.5, sinks=self.sinks, window=self.window)  # [B, nh, L, D]
         out = out.transpose(1, 2).reshape(T, self.num_heads * self.head_dim)  # [T, nh*D], a view (attention_layout)
         return self.o_proj(out, fwd, residual=residual)  # [T, H]
 
@@ -187,14 +178,20 @@ class SparseMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, index: int):
+    """Normed attention, then a normed MLP (an MoE on `sparse_layers`), each added to the residual stream. Other
+    families pass their own `attention` and `sparse_mlp` classes (built as `cls(args, prefix)`) and, where the
+    checkpoint keeps the layers elsewhere, `layers_path`."""
+
+    def __init__(self, args: ModelArgs, index: int, attention=Attention, sparse_mlp=SparseMoe,
+                 layers_path: str = "model.layers"):
         super().__init__()
-        prefix = f"model.layers.{index}"
+        prefix = f"{layers_path}.{index}"
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, f"{prefix}.self_attn")
+        self.self_attn = attention(args, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", args.hidden_size,
                                                 args.rms_norm_eps)
-        self.mlp = SparseMoe(args, f"{prefix}.mlp") if index in args.sparse_layers else MLP(args, f"{prefix}.mlp")
+        mlp = sparse_mlp if index in args.sparse_layers else MLP
+        self.mlp = mlp(args, f"{prefix}.mlp")
 
     def forward(self, h, cos, sin, fwd):
         h = self.self_attn(self.input_layernorm(h, fwd), cos, sin, fwd, residual=h)  # [T, H]: h + attention
@@ -239,32 +236,38 @@ class CausalLM(nn.Module):
 
 
 def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device,
-                 expert_keys: dict = CHECKPOINT_EXPERT_KEYS, renames: tuple = ()) -> dict[str, torch.Tensor]:
-    """Every parameter of `model` read from checkpoint `files` in `dtype`, one tensor in memory at a time.
-    On the meta device only the keys and shapes are checked and nothing is read.
+                 expert_keys: dict = CHECKPOINT_EXPERT_KEYS, renames: tuple = (), *, float32_keys: tuple = (),
+                 read_own=None, embedding: str = "model.embed_tokens.weight") -> dict[str, torch.Tensor]:
+    """Every parameter of `model` read from checkpoint `files` in `dtype` (those whose names end in one of
+    `float32_keys`: in float32), one tensor in memory at a time. On the meta device only the keys and shapes are
+    checked and nothing is read.
 
     A parameter is read under its own name (fused experts included, as transformers 5 writes them with
     save_original_format=False) or else under its on-disk name: `renames` (ours, on disk) applied to it, and
-    fused experts stacked from the per-expert projections `expert_keys` names."""
-    args = model.args
+    fused experts stacked from the per-expert projections `expert_keys` names. `read_own(name, shape)`: a family's
+    own reading of the parameters it stores otherwise (None for the others). A tied lm_head the checkpoint lacks is
+    the `embedding` weight."""
     weights = {}
     for name, param in model.named_parameters():
-        if name == "lm_head.weight" and name not in files and args.tie_word_embeddings:
+        if name == "lm_head.weight" and name not in files and model.args.tie_word_embeddings:
             continue  # tied below
+        shape = tuple(param.shape)
+        own = None if read_own is None else read_own(name, shape)
+        if own is not None:
+            weights[name] = own
+            continue
         key = name
         if name not in files:
             for ours, on_disk in renames:
                 key = key.replace(ours, on_disk)
         kind = name.rsplit(".", 1)[-1]
+        in_dtype = torch.float32 if name.endswith(float32_keys) else dtype
         if kind in expert_keys and key not in files:
-            weights[name] = _read_experts(files, key, param.shape, expert_keys[kind], dtype, device)
-        elif device.type == "meta":
-            check_weight(files, key, tuple(param.shape))
-            weights[name] = torch.empty(param.shape, dtype=dtype, device=device)
+            weights[name] = _read_experts(files, key, shape, expert_keys[kind], in_dtype, device)
         else:
-            weights[name] = read_weight(files, key, tuple(param.shape)).to(device=device, dtype=dtype)
+            weights[name] = load_tensor(files, key, shape, in_dtype, device)
     if "lm_head.weight" not in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        weights["lm_head.weight"] = weights[embedding]
     return weights
 
 

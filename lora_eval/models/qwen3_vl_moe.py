@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import InputError, UnsupportedError
 from . import qwen3
-from .checkpoint import check_weight, read_weight
+from .checkpoint import load_tensor
 from .layers import Embedding, Linear, RMSNorm, rope_parameters
 
 MODEL_TYPES = ("qwen3_vl_moe",)
@@ -103,25 +103,12 @@ def mrope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, section, dtyp
     return out[0], out[1]
 
 
-class DecoderLayer(qwen3.DecoderLayer):
-    """Qwen3-MoE's decoder layer under the language model's prefix."""
-
-    def __init__(self, args: ModelArgs, index: int):
-        nn.Module.__init__(self)
-        prefix = f"{PREFIX}.layers.{index}"
-        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", args.hidden_size, args.rms_norm_eps)
-        self.self_attn = qwen3.Attention(args, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", args.hidden_size,
-                                                args.rms_norm_eps)
-        self.mlp = qwen3.SparseMoe(args, f"{prefix}.mlp") if index in args.sparse_layers \
-            else qwen3.MLP(args, f"{prefix}.mlp")
-
-
 class LanguageModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = Embedding(f"{PREFIX}.embed_tokens", args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(qwen3.DecoderLayer(args, i, layers_path=f"{PREFIX}.layers")
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(f"{PREFIX}.norm", args.hidden_size, args.rms_norm_eps)
 
 
@@ -157,29 +144,15 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
     """Every parameter of `model` read from checkpoint `files` in `dtype`, one tensor in memory at a time, under its
     own name; fused experts in either layout (published [E, in, out] or transformers 5's [E, out, in]). On the meta
     device only the keys and shapes are checked and nothing is read."""
-    args = model.args
-    weights = {}
-    for name, param in model.named_parameters():
-        if name == "lm_head.weight" and name not in files and args.tie_word_embeddings:
-            continue  # tied below
-        shape = tuple(param.shape)
-        if ".mlp.experts." in name and name.rsplit(".", 1)[-1] in EXPERT_TENSORS:
-            transposed = _stored_transposed(files, name, shape)
-            disk = (shape[0], shape[2], shape[1]) if transposed else shape
-            if device.type == "meta":
-                check_weight(files, name, disk)
-                weights[name] = torch.empty(shape, dtype=dtype, device=device)
-            else:
-                t = read_weight(files, name, disk)  # [E, in, out] (published) or [E, out, in]
-                weights[name] = (t.transpose(1, 2) if transposed else t).to(device=device, dtype=dtype).contiguous()
-        elif device.type == "meta":
-            check_weight(files, name, shape)
-            weights[name] = torch.empty(shape, dtype=dtype, device=device)
-        else:
-            weights[name] = read_weight(files, name, shape).to(device=device, dtype=dtype)
-    if "lm_head.weight" not in weights:
-        weights["lm_head.weight"] = weights[f"{PREFIX}.embed_tokens.weight"]
-    return weights
+    def experts(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if ".mlp.experts." not in name or name.rsplit(".", 1)[-1] not in EXPERT_TENSORS:
+            return None
+        transposed = _stored_transposed(files, name, shape)  # [E, in, out] (published), else [E, out, in]
+        return load_tensor(files, name, shape, dtype, device, (shape[0], shape[2], shape[1]) if transposed else shape,
+                           lambda t: t.transpose(1, 2) if transposed else t)
+
+    return qwen3.load_weights(model, files, dtype, device, expert_keys={}, read_own=experts,
+                              embedding=f"{PREFIX}.embed_tokens.weight")
 
 
 def _stored_transposed(files, name: str, shape: tuple[int, int, int]) -> bool:

@@ -34,6 +34,11 @@ def _attr(name: str, value) -> str:
     return f' {name}="{_esc(value)}"'
 
 
+def _line(x1: float, y1: float, x2: float, y2: float, color: str, more: str = "") -> str:
+    """A line from (x1, y1) to (x2, y2); `more`: further attributes (with their leading space)."""
+    return f'<line x1="{_f(x1)}" y1="{_f(y1)}" x2="{_f(x2)}" y2="{_f(y2)}" stroke="{color}"{more}/>'
+
+
 def text_width(text: str, size: float = FONT) -> float:
     return len(str(text)) * size * CHAR
 
@@ -215,7 +220,7 @@ class Axes:
         out = []
         for value, label in zip(*self.x.tick_marks()):
             x = float(px(value))
-            out.append(f'<line x1="{_f(x)}" y1="{_f(y0)}" x2="{_f(x)}" y2="{_f(y0 + h)}" stroke="{GRID}"/>')
+            out.append(_line(x, y0, x, y0 + h, GRID))
             if self.slanted_xticks:
                 out.append(f'<text x="{_f(x)}" y="{_f(y0 + h + 12)}" text-anchor="end" transform="rotate(-30 '
                            f'{_f(x)} {_f(y0 + h + 12)})">{_esc(label)}</text>')
@@ -224,7 +229,7 @@ class Axes:
         size = self.ytick_size()
         for value, label in zip(*self.y.tick_marks()):
             y = float(py(value))
-            out.append(f'<line x1="{_f(x0)}" y1="{_f(y)}" x2="{_f(x0 + w)}" y2="{_f(y)}" stroke="{GRID}"/>')
+            out.append(_line(x0, y, x0 + w, y, GRID))
             if self.show_yticks:
                 out.append(f'<text x="{_f(x0 - 5)}" y="{_f(y + size * 0.35)}" text-anchor="end"'
                            f'{"" if size == FONT else _attr("font-size", size)}>{_esc(label)}</text>')
@@ -339,20 +344,20 @@ class Axes:
         out = []
         for a, b, lo, hi in zip(px(x), py(y), px(xlo), px(xhi)):
             if np.isfinite([lo, hi, b]).all():
-                out.append(f'<line x1="{_f(lo)}" y1="{_f(b)}" x2="{_f(hi)}" y2="{_f(b)}" stroke="{color}"/>')
+                out.append(_line(lo, b, hi, b, color))
             if np.isfinite([a, b]).all():
                 out.append(f'<circle cx="{_f(a)}" cy="{_f(b)}" r="3" fill="{color}"/>')
         return out
 
     def _draw_hline(self, px, py, x0, y0, w, h, y, color, width, dash):
         b = float(py(y))
-        return [f'<line x1="{_f(x0)}" y1="{_f(b)}" x2="{_f(x0 + w)}" y2="{_f(b)}" stroke="{color}" '
-                f'stroke-width="{width}"{self._dash(dash)}/>'] if math.isfinite(b) else []
+        return [_line(x0, b, x0 + w, b, color, f' stroke-width="{width}"{self._dash(dash)}')] \
+            if math.isfinite(b) else []
 
     def _draw_vline(self, px, py, x0, y0, w, h, x, color, width, dash):
         a = float(px(x))
-        return [f'<line x1="{_f(a)}" y1="{_f(y0)}" x2="{_f(a)}" y2="{_f(y0 + h)}" stroke="{color}" '
-                f'stroke-width="{width}"{self._dash(dash)}/>'] if math.isfinite(a) else []
+        return [_line(a, y0, a, y0 + h, color, f' stroke-width="{width}"{self._dash(dash)}')] \
+            if math.isfinite(a) else []
 
 
 def legend_entries(entries, x: float, y: float, vertical: bool) -> list[str]:
@@ -361,8 +366,7 @@ def legend_entries(entries, x: float, y: float, vertical: bool) -> list[str]:
     for label, color, kind in entries:
         if kind in ("line", "dashed"):
             dash = ' stroke-dasharray="5 3"' if kind == "dashed" else ""
-            out.append(f'<line x1="{_f(x)}" y1="{_f(y - 4)}" x2="{_f(x + 18)}" y2="{_f(y - 4)}" stroke="{color}" '
-                       f'stroke-width="2"{dash}/>')
+            out.append(_line(x, y - 4, x + 18, y - 4, color, f' stroke-width="2"{dash}'))
         elif kind == "box":
             out.append(f'<rect x="{_f(x + 3)}" y="{_f(y - 9)}" width="12" height="10" fill="{color}"/>')
         elif kind == "triangle":

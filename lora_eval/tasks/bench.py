@@ -41,6 +41,7 @@ import torch
 from ..adapters import load_adapter
 from ..engine.engine import DTYPES, Batch, Engine
 from ..errors import InputError, UnsupportedError
+from ..hf import quiet_libraries
 from ..inputs.references import write_reference
 from ..models import family_and_args, load_model_from_tensors
 from ..models.checkpoint import read_json
@@ -48,7 +49,6 @@ from ..models.layers import FusedExperts, Linear
 from ..models.quantized import KEY as QUANTIZATION_KEY
 from ..models.quantized import read_quantization
 from ..progress import progress
-from .dump_reference import quiet_libraries
 
 TARGETS = ("all", "attn", "experts")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -366,6 +366,18 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass
+class Cases:
+    """What every system times: the cases, (batch label, case label, row adapters), and each batch's token rows; and
+    how: the device, warm-up and timed calls per case, the progress bar (a step per case timed)."""
+    plan: list[tuple[str, str, list]]
+    token_rows: dict[str, list[list[int]]]
+    device: torch.device
+    warmup: int
+    repeat: int
+    bar: object
+
+
 def bench(config_path: str | Path, *, layers: int | None = None, adapters: int = 4, rank: int = 16,
           targets: str = "all", batches: tuple[str, ...] = ("4x1024",), dtype: str = "bfloat16",
           device: str = "cuda", repeat: int = 5, warmup: int = 2, skip_hf: bool = False, also_eager: bool = False,
@@ -376,102 +388,30 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
     `also_eager`: our engine with CUDA graphs off), `ours-invariant` (with `also_invariant`: our engine in its
     batch-invariant mode, EngineOptions.batch_invariant; its cost_vs_base is over its own base, and the cost of the
     mode is its ms_per_batch over ours')."""
-    if dtype not in DTYPES:
-        raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
-    if targets not in TARGETS:
-        raise InputError("--targets", f"'{targets}' is not one of {', '.join(TARGETS)}")
-    if adapters < 1 or rank < 1 or repeat < 1 or warmup < 0:
-        raise InputError("bench", "adapters, rank and repeat must be >= 1, warmup >= 0")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("--device", "CUDA was asked for but torch sees no GPU")
+    check_options(dtype, targets, adapters, rank, repeat, warmup, device)
     shapes = [parse_batch(b) for b in batches]
-    config = read_model_config(config_path, layers)
-    model_notes = []
-    if not family_and_args(config, config_path)[1].sparse_layers:
-        if targets == "experts":
-            raise InputError("--targets", f"'experts' needs a model with MoE layers; {config_path} describes none in "
-                             f"its first {config['num_hidden_layers']} layers")
-        moe = family_and_args(read_model_config(config_path), config_path)[1].sparse_layers
-        if moe:  # e.g. DeepSeek-V3's first 3 layers are dense: a user asking for 2 would time no expert
-            model_notes.append(f"--layers {config['num_hidden_layers']} keeps no MoE layer (the first is layer "
-                               f"{moe[0]}): dense layers only; --layers {moe[0] + 1} keeps one")
-    config, quant_note = unquantized(config, config_path, dtype)
-    model_notes.append(quant_note)
+    config, model_notes = bench_config(config_path, layers, targets, dtype)
     dev, torch_dtype = torch.device(device), DTYPES[dtype]
     names = [f"a{i}" for i in range(adapters)]
-    plan = []  # (batch label, case label, row adapters)
-    for rows, length in shapes:
-        label = f"{rows}x{length}"
-        k = min(adapters, rows)
-        plan += [(label, "base", [None] * rows), (label, "lora-1", [names[0]] * rows)]
-        if k >= 2:
-            plan.append((label, f"lora-{k}-mixed", [names[i % k] for i in range(rows)]))
-        plan.append((label, "no-lora-rows", [None] * rows))
+    plan = case_plan(shapes, names)
     generator = torch.Generator().manual_seed(seed)
     token_rows = {f"{r}x{n}": torch.randint(0, config["vocab_size"], (r, n), generator=generator).tolist()
                   for r, n in shapes}
     systems = (["ours"] + (["ours-eager"] if also_eager else []) + (["ours-invariant"] if also_invariant else [])
                + ([] if skip_hf else ["hf"]))
-    results: dict[tuple[str, str, str], Timing] = {}
-    passes: dict[tuple[str, str], int] = {}
     bar = progress(len(plan) * len(systems), "bench", "case", quiet)
+    cases = Cases(plan, token_rows, dev, warmup, repeat, bar)
 
     with quiet_libraries(), bar, tempfile.TemporaryDirectory(prefix="lora-eval-bench-") as tmp:
         hf = random_hf_model(config, torch_dtype, dev, seed)
         ours_model = load_model_from_tensors(config, hf.state_dict(), torch_dtype, dev, where=str(config_path))
         env = dict(hf_experts=getattr(hf.config, "_experts_implementation", None),
                    hf_attention=getattr(hf.config, "_attn_implementation", None))
-
-        # 1. transformers' base model (ours is timed with its other cases, interleaved, in 3.)
-        if "hf" in systems:
-            for batch, case, _ in plan:
-                if case == "base":
-                    results["hf", batch, "base"] = measure(
-                        lambda model=hf, rows=token_rows[batch]: hf_logprobs(model, rows, dev), dev, warmup, repeat)
-                    bar.update(1)
-        # 2. adapters made by PEFT; the hf cases run while only PEFT holds adapters on the device
-        peft_model, note = make_peft_adapters(hf, names, rank, targets, seed)
-        peft_model.save_pretrained(tmp)
-        if "hf" in systems:
-            from peft.tuners.lora import ParamWrapper
-
-            one_pass = not any(isinstance(m, ParamWrapper) for m in peft_model.modules())
-            for batch, case, tags in plan:
-                if case == "base":
-                    continue
-                rows = token_rows[batch]
-                call, passes[batch, case] = _hf_call(peft_model, rows, tags, case, one_pass, dev)
-                results["hf", batch, case] = measure(call, dev, warmup, repeat)
-                bar.update(1)
-            del call  # its closure holds the PEFT model: its adapter weights would stay on the device
-        del peft_model, hf
+        results, passes, note = time_transformers(hf, cases, "hf" in systems, names, rank, targets, seed, tmp)
+        del hf  # (PEFT's adapters are in it)
         free_memory(dev)
-        # 3. our engine: the base cases warmed up first (their peak memory without adapters), then the adapters
-        # read back from PEFT's files; per system its other cases warmed up, then all its cases timed interleaved
-        ours_systems = [s for s in systems if s != "hf"]
-        settings = {system: dict(backend=backend, cuda_graphs=system != "ours-eager",
-                                 batch_invariant=system == "ours-invariant") for system in ours_systems}
-        base_engines = {system: Engine(ours_model, [], **settings[system]) for system in ours_systems}
-        base_calls = {(system, batch, case): (lambda engine=base_engines[system], rows=token_rows[batch]:
-                                              torch.stack(engine.logprobs(Batch(rows, [None] * len(rows)))))
-                      for system in ours_systems for batch, case, _ in plan if case == "base"}
-        timings = warm_up(base_calls, dev, warmup)
-        loaded = [load_adapter(Path(tmp) / name, name, ours_model) for name in names]
-        for system in ours_systems:
-            engine = Engine(ours_model, loaded, **settings[system])
-            calls = {(system, batch, case): (lambda rows=token_rows[batch], tags=tags:
-                                             torch.stack(engine.logprobs(Batch(rows, tags))))
-                     for batch, case, tags in plan if case != "base"}
-            timings.update(warm_up(calls, dev, warmup))
-            calls.update({key: call for key, call in base_calls.items() if key[0] == system})
-            time_interleaved(calls, timings, dev, repeat,
-                             stats=lambda key: _graph_stats(base_engines[system] if key[2] == "base" else engine))
-            bar.update(len(calls))
-            del engine, calls
-            free_memory(dev)
+        timings, loaded = time_ours(ours_model, cases, [s for s in systems if s != "hf"], names, tmp, backend)
         results.update(timings)
-        del base_engines, base_calls
-        free_memory(dev)
         bar.close()
 
     lora_params = adapter_active_params(loaded[0], ours_model.args.top_k)
@@ -483,6 +423,108 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
     for key, value in meta.items():
         frame[key] = value
     return frame
+
+
+def check_options(dtype: str, targets: str, adapters: int, rank: int, repeat: int, warmup: int, device: str) -> None:
+    """bench's options, each refused by name (the API takes what the command line's types would refuse)."""
+    if dtype not in DTYPES:
+        raise InputError("--dtype", f"'{dtype}' is not one of {', '.join(DTYPES)}")
+    if targets not in TARGETS:
+        raise InputError("--targets", f"'{targets}' is not one of {', '.join(TARGETS)}")
+    if adapters < 1 or rank < 1 or repeat < 1 or warmup < 0:
+        raise InputError("bench", "adapters, rank and repeat must be >= 1, warmup >= 0")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device", "CUDA was asked for but torch sees no GPU")
+
+
+def bench_config(config_path: str | Path, layers: int | None, targets: str, dtype: str) -> tuple[dict, list[str]]:
+    """The config benchmarked (its first `layers` layers; a quantized one in the compute dtype) and notes on the
+    model built from it for the table."""
+    config = read_model_config(config_path, layers)
+    model_notes = []
+    if not family_and_args(config, config_path)[1].sparse_layers:
+        if targets == "experts":
+            raise InputError("--targets", f"'experts' needs a model with MoE layers; {config_path} describes none in "
+                             f"its first {config['num_hidden_layers']} layers")
+        moe = family_and_args(read_model_config(config_path), config_path)[1].sparse_layers
+        if moe:  # e.g. DeepSeek-V3's first 3 layers are dense: a user asking for 2 would time no expert
+            model_notes.append(f"--layers {config['num_hidden_layers']} keeps no MoE layer (the first is layer "
+                               f"{moe[0]}): dense layers only; --layers {moe[0] + 1} keeps one")
+    config, quant_note = unquantized(config, config_path, dtype)
+    return config, [*model_notes, quant_note]
+
+
+def case_plan(shapes: list[tuple[int, int]], names: list[str]) -> list[tuple[str, str, list]]:
+    """(batch label, case label, row adapters) of every case of every batch shape (see the module notes)."""
+    plan = []
+    for rows, length in shapes:
+        label = f"{rows}x{length}"
+        k = min(len(names), rows)
+        plan += [(label, "base", [None] * rows), (label, "lora-1", [names[0]] * rows)]
+        if k >= 2:
+            plan.append((label, f"lora-{k}-mixed", [names[i % k] for i in range(rows)]))
+        plan.append((label, "no-lora-rows", [None] * rows))
+    return plan
+
+
+def time_transformers(hf, cases: Cases, timed: bool, names: list[str], rank: int, targets: str, seed: int,
+                      out: str) -> tuple[dict, dict, str]:
+    """Adapters made by PEFT on the transformers model `hf` and saved in `out` (our engine reads them from there);
+    with `timed`, the hf cases timed: the base model's first, then the adapters', while only PEFT holds adapters on
+    the device -> ({("hf", batch, case): Timing}, {(batch, case): forward passes}, how PEFT made the adapters)."""
+    results, passes = {}, {}
+    if timed:
+        for batch, case, _ in cases.plan:
+            if case == "base":
+                results["hf", batch, "base"] = measure(
+                    lambda model=hf, rows=cases.token_rows[batch]: hf_logprobs(model, rows, cases.device),
+                    cases.device, cases.warmup, cases.repeat)
+                cases.bar.update(1)
+    peft_model, note = make_peft_adapters(hf, names, rank, targets, seed)
+    peft_model.save_pretrained(out)
+    if timed:
+        from peft.tuners.lora import ParamWrapper
+
+        one_pass = not any(isinstance(m, ParamWrapper) for m in peft_model.modules())
+        for batch, case, tags in cases.plan:
+            if case == "base":
+                continue
+            call, passes[batch, case] = _hf_call(peft_model, cases.token_rows[batch], tags, case, one_pass,
+                                                 cases.device)
+            results["hf", batch, case] = measure(call, cases.device, cases.warmup, cases.repeat)
+            cases.bar.update(1)
+    return results, passes, note
+
+
+def time_ours(model, cases: Cases, systems: list[str], names: list[str], adapters_dir: str,
+              backend: str | None) -> tuple[dict, list]:
+    """Our engine, per system of `systems`: the base cases warmed up first (their peak memory without adapters),
+    then the adapters read back from PEFT's files in `adapters_dir`; per system its other cases warmed up, then all
+    its cases timed interleaved -> ({(system, batch, case): Timing}, the adapters loaded)."""
+    dev, warmup, token_rows = cases.device, cases.warmup, cases.token_rows
+    settings = {system: dict(backend=backend, cuda_graphs=system != "ours-eager",
+                             batch_invariant=system == "ours-invariant") for system in systems}
+    base_engines = {system: Engine(model, [], **settings[system]) for system in systems}
+    base_calls = {(system, batch, case): (lambda engine=base_engines[system], rows=token_rows[batch]:
+                                          torch.stack(engine.logprobs(Batch(rows, [None] * len(rows)))))
+                  for system in systems for batch, case, _ in cases.plan if case == "base"}
+    timings = warm_up(base_calls, dev, warmup)
+    loaded = [load_adapter(Path(adapters_dir) / name, name, model) for name in names]
+    for system in systems:
+        engine = Engine(model, loaded, **settings[system])
+        calls = {(system, batch, case): (lambda rows=token_rows[batch], tags=tags:
+                                         torch.stack(engine.logprobs(Batch(rows, tags))))
+                 for batch, case, tags in cases.plan if case != "base"}
+        timings.update(warm_up(calls, dev, warmup))
+        calls.update({key: call for key, call in base_calls.items() if key[0] == system})
+        time_interleaved(calls, timings, dev, cases.repeat,
+                         stats=lambda key: _graph_stats(base_engines[system] if key[2] == "base" else engine))
+        cases.bar.update(len(calls))
+        del engine, calls
+        free_memory(dev)
+    del base_engines, base_calls
+    free_memory(dev)
+    return timings, loaded
 
 
 def _hf_call(peft_model, rows, tags, case, one_pass: bool, device):

@@ -11,8 +11,9 @@ import torch
 
 from ..engine.engine import EngineOptions
 from ..errors import InputError
+from ..hf import quiet_libraries
 from .compare import compare
-from .dump_reference import dump_reference, quiet_libraries
+from .dump_reference import dump_reference
 
 DEMO_TEXT = """Mixture-of-experts models route every token to a few experts out of many.
 A LoRA adapter adds a low-rank update to each projection it targets, experts included.

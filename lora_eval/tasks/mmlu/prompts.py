@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...errors import InputError, UnsupportedError
+from ...hf import quiet_libraries
 from ...inputs.mmlu_data import LETTERS
 from ...inputs.tokenizer import load_tokenizer
 
@@ -92,11 +93,7 @@ def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | Non
     kept: a prompt longer than `max_len` drops shots from the end until it fits."""
     prefixes = prompt_prefixes(questions, dev, shots)
     records = questions.to_dict("records")
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "sequence longer than the model maximum": checked here
-    try:
+    with quiet_libraries():  # "sequence longer than the model maximum": checked here
         ids = encode(tokenizer, _prompts(records, prefixes, shots))  # (records and prefixes made once)
         used = [shots] * len(ids)
         for i, q in enumerate(records):
@@ -106,8 +103,6 @@ def tokenize_prompts(tokenizer, questions: pd.DataFrame, dev: pd.DataFrame | Non
                                      f"the model's max_position_embeddings ({max_len})", key=q["key"])
                 used[i] -= 1
                 ids[i] = encode(tokenizer, [prefixes[q["subject"]][used[i]] + format_question(q, False)])[0]
-    finally:
-        hf_logging.set_verbosity(verbosity)
     return ids, used
 
 
