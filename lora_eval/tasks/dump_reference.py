@@ -11,10 +11,8 @@ torchrun ranks share the prompts (distributed.py). On the CPU the thread count i
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch
 from ..adapters import load_adapter
 from ..engine.engine import DTYPES, EngineOptions, first_non_finite, overflow_error
 from ..errors import InputError
+from ..hf import quiet_libraries
 from ..inputs.checks import adapter_names, check_lengths, model_config
 from ..inputs.prompts import read_prompts
 from ..inputs.references import read_reference, reference_bytes
@@ -146,23 +145,6 @@ class DumpReferenceTask(Task):
     def files(self, frame: pd.DataFrame) -> bytes:
         meta = json.dumps(dict(command="dump-reference", arguments=self.arguments, fingerprint=self.fingerprint))
         return reference_bytes(frame, self.out, {RECORD_KEY: meta.encode()})
-
-
-@contextlib.contextmanager
-def quiet_libraries():
-    """transformers' and PEFT's loading bars and advice stay off our output."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()
