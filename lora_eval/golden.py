@@ -1,6 +1,6 @@
 """Golden trainer references for the CI regression job, and the regression run itself.
 
-The demo model and adapters (lora_eval/demo.py, seeded) are rebuilt on the spot; the golden dump in
+The demo model and adapters (lora_eval/tasks/demo.py, seeded) are rebuilt on the spot; the golden dump in
 `references/` holds what transformers + PEFT computed for the demo prompts in float32 (the trainer), with the
 same model run in bfloat16 as `sampler_logprobs` (a bf16 sampler: the noise floor the report shows beside
 the engine). The regression runs `lora-eval compare` on it with tight thresholds and writes JUnit XML.

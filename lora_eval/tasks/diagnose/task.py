@@ -1,7 +1,7 @@
 """`diagnose`: where, layer by layer, the engine parts from a reference computation of the same samples.
 
 Side A is the engine as `compare` runs it (the same EngineOptions: device, dtype, backend). Its k2 against the
-reference picks the samples, then it runs them one row at a time, eagerly, with the probe of forward.py reporting
+reference picks the samples, then it runs them one row at a time, eagerly, with the probe of engine/forward.py reporting
 its intermediates (a CUDA graph replays the very kernels the eager forward launches, so these are the engine's
 numbers). Side B is the plain-torch backend of the same checkpoint in float32 with the same adapters; `against_model`
 puts another checkpoint of the same architecture there and `against_dtype` another dtype. With `against_model`, side B
@@ -20,7 +20,7 @@ Two ways to measure (diagnose.json "measured"):
   free-running                          both sides run whole; errors accumulate from layer to layer
   layer by layer on the same inputs     side B runs one decoder layer at a time (one_layer.py: only that layer's
                                         weights read) on side A's input to that layer: each error is the layer's own
-Free-running when both models fit the device by plan.py's estimate, else layer by layer (`layer_by_layer` forces it).
+Free-running when both models fit the device by engine/plan.py's estimate, else layer by layer (`layer_by_layer` forces it).
 
 Per decoder layer and point — attention (the output projection, before the residual add), router (its logits;
 router_flip_rate: share of tokens whose top-k expert set differs), moe (the routed experts' output), residual (the
@@ -43,7 +43,7 @@ flip among a few dozen positions would step the residual error as a bug does —
 out, and flips count apart, once per position, where they first happen (layers.csv keeps every position).
 
 Every unit of work (a batch of the k2 pass; a sample, or a layer layer by layer; a sample's module effects) is a
-part of the run folder (runfolder.py): a killed run resumes, the same run twice recomputes nothing.
+part of the run folder (the run protocol, tasks/run.py): a killed run resumes, the same run twice recomputes nothing.
 """
 
 from __future__ import annotations

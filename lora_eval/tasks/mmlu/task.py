@@ -1,13 +1,13 @@
 """`lora-eval mmlu`: MMLU accuracy of the base model and of every adapter in one pass, with paired deltas.
 
-A thin layer over `Engine.next_token_logprobs`: read the questions (mmlu_data.py) before any model is loaded,
-tokenise the prompts (mmlu_prompts.py; loading onto a GPU, in a child process beside the model's load:
-mmlu_tokenize.py), score the four answer letters of every question under the base model and each adapter in mixed
-batches (the batches are the resumable units of a run folder), and build the tables (mmlu_stats.py).
+A thin layer over `Engine.next_token_logprobs`: read the questions (inputs/mmlu_data.py) before any model is loaded,
+tokenise the prompts (prompts.py; loading onto a GPU, in a child process beside the model's load:
+tokenize.py), score the four answer letters of every question under the base model and each adapter in mixed
+batches (the batches are the resumable units of a run folder), and build the tables (results/mmlu_stats.py), all through the run protocol (tasks/run.py).
 
 Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): a subject's prompts all begin
 with its header and k-shot examples, so that part is computed once per (subject, adapter) and each question runs only
-its own part (`Batch.prefixes`, lora_eval/prefixes.py). The boundary is the longest common run of leading token ids
+its own part (`Batch.prefixes`, engine/prefixes.py). The boundary is the longest common run of leading token ids
 of the prompts as they are tokenised whole (per subject and number of shots kept), so the tokens computed are
 exactly the full prompts' tokens: no text is tokenised apart, and the prompts stay byte for byte lm-eval's. Batches
 then take a subject's questions together (by length inside it), so that a batch needs few prefixes and the cache
@@ -68,7 +68,7 @@ def subject_prefixes(questions: pd.DataFrame, used: list[int], ids: list[list[in
 
 def tokenizes_beside(engine: Engine | None, options: EngineOptions) -> bool:
     """Whether the tokenizer's load and the prompts go to a child process beside the model's load
-    (mmlu_tokenize.py): where a model is loaded here onto a GPU. On the CPU the load is short, and the child's start
+    (tokenize.py): where a model is loaded here onto a GPU. On the CPU the load is short, and the child's start
     (~2 s of imports) would only compete with it for the cores."""
     return engine is None and options.device != "cpu"
 
