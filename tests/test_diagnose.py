@@ -412,7 +412,7 @@ def test_a_killed_run_resumes_to_the_same_files(art, tmp_path, monkeypatch):
     kwargs = dict(options=CPU, samples=SAMPLES, layer_by_layer=True, quiet=True, notice=lambda s: None)
     whole = tmp_path / "whole"
     diagnose(art.model, art.adapters, [art.ref_path], out=whole, **kwargs)
-    task = importlib.import_module("lora_eval.tasks.diagnose.task")  # the module (the package's `diagnose` is the function)
+    task = importlib.import_module("lora_eval.tasks.diagnose.task")
     effects, calls = task._effects, []
 
     def failing(*args):

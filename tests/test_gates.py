@@ -45,7 +45,7 @@ from lora_eval.inputs.references import write_reference
 from tests.builders import random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error, assert_no_traceback
 
-compare_module = importlib.import_module("lora_eval.tasks.compare")  # the module (the package exports its function)
+compare_module = importlib.import_module("lora_eval.tasks.compare")
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96  # tests.builders' tiny vocabulary
 ROWS_PER_TAG = 12  # more than GATE_ROWS: the row cap bites

@@ -67,7 +67,7 @@ ORACLE_TOL = 1e-5  # our float32 engine vs transformers float32
 # one subject per category, short dev examples; the first RIG_LIMIT questions of each
 RIG_SUBJECTS = ["abstract_algebra", "global_facts", "high_school_geography", "philosophy"]
 RIG_LIMIT = 8
-mmlu_task = importlib.import_module("lora_eval.tasks.mmlu.task")  # the module (lora_eval.tasks.mmlu.task is also the function)
+mmlu_task = importlib.import_module("lora_eval.tasks.mmlu.task")
 
 
 # ---- builders ----------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ import pytest
 from lora_eval.render.formatting import thresholds_sentence
 from lora_eval.results.metrics import check_thresholds, group_metrics
 from lora_eval.inputs.mmlu_data import LETTERS, read_split
-from lora_eval.results.mmlu_stats import MIN_SIGNIFICANT, question_table, significant_subjects, subject_table, summary_table
+from lora_eval.results.mmlu_stats import (MIN_SIGNIFICANT, question_table, significant_subjects, subject_table,
+                                          summary_table)
 from lora_eval.render.files import render_report
 from lora_eval.results.tables import CompareResult, MmluResult
 from tests.cli_checks import assert_input_error

@@ -663,8 +663,8 @@ def test_mmlu_html_junit_and_rerendering(tmp_path, seed):
 
 
 def test_mmlu_command_writes_junit(tmp_path, seed, monkeypatch):
-    """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.tasks.mmlu.task's, replaced here by
-    a synthetic result so no model runs)."""
+    """`lora-eval mmlu --junit FILE`: the CLI wiring (the scoring itself is lora_eval.tasks.mmlu.task's, replaced
+    here by a synthetic result so no model runs)."""
     result = write_mmlu_run(tmp_path / "run", np.random.default_rng(seed))
     monkeypatch.setattr(importlib.import_module("lora_eval.commands"), "mmlu", lambda *args, **kwargs: result)
     junit = tmp_path / "ci" / "mmlu.xml"

@@ -158,7 +158,7 @@ class Engine:
         self.model = model
         self.prefix_cache = PrefixCache(prefix_cache_memory)  # computed prefixes (Batch.prefixes)
         self.tokens_computed = 0  # token positions run through the model (no padding), prefixes included
-        self.expert_parallel = expert_parallel  # lora_eval.engine.expert_parallel.ExpertParallel: experts over the ranks
+        self.expert_parallel = expert_parallel  # expert_parallel.ExpertParallel: experts over the ranks
         self.adapters = list(adapters)
         self.stack = AdapterStack(self.adapters, model) if self.adapters else None
         device = model.inv_freq.device

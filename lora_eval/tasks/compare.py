@@ -1,10 +1,11 @@
 """`compare`: the engine's logprobs against trainer reference dumps, per token, sample, adapter and overall.
 
 A thin layer over `Engine.logprobs`: read and check the references (before any model is loaded), batch them by
-length under a token budget (adapters mixed in a batch), run the batches as resumable units (the run protocol, tasks/run.py), and
-turn the differences into the metrics of `results/metrics.py`. The adapter applied gate's base re-runs of a sample of each
-adapter's rows are further units of the same work, so they are checkpointed, resumed and shared out over data
-parallel ranks like the batches; its static facts come from the adapters' factors, read before the model loads.
+length under a token budget (adapters mixed in a batch), run the batches as resumable units (the run protocol,
+tasks/run.py), and turn the differences into the metrics of `results/metrics.py`. The adapter applied gate's base
+re-runs of a sample of each adapter's rows are further units of the same work, so they are checkpointed, resumed and
+shared out over data parallel ranks like the batches; its static facts come from the adapters' factors, read before
+the model loads.
 
 Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): samples of one adapter that
 begin with the same token ids (an RL group's N completions of one prompt, a common system prompt; at least

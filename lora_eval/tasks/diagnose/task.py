@@ -20,7 +20,8 @@ Two ways to measure (diagnose.json "measured"):
   free-running                          both sides run whole; errors accumulate from layer to layer
   layer by layer on the same inputs     side B runs one decoder layer at a time (one_layer.py: only that layer's
                                         weights read) on side A's input to that layer: each error is the layer's own
-Free-running when both models fit the device by engine/plan.py's estimate, else layer by layer (`layer_by_layer` forces it).
+Free-running when both models fit the device by engine/plan.py's estimate, else layer by layer (`layer_by_layer`
+forces it).
 
 Per decoder layer and point — attention (the output projection, before the residual add), router (its logits;
 router_flip_rate: share of tokens whose top-k expert set differs), moe (the routed experts' output), residual (the

@@ -3,7 +3,7 @@
 A thin layer over `Engine.next_token_logprobs`: read the questions (inputs/mmlu_data.py) before any model is loaded,
 tokenise the prompts (prompts.py; loading onto a GPU, in a child process beside the model's load:
 tokenize.py), score the four answer letters of every question under the base model and each adapter in mixed
-batches (the batches are the resumable units of a run folder), and build the tables (results/mmlu_stats.py), all through the run protocol (tasks/run.py).
+batches (the resumable units of the run protocol, tasks/run.py), and build the tables (results/mmlu_stats.py).
 
 Shared prefixes (on unless `EngineOptions.prefix_cache` is off, `--no-prefix-cache`): a subject's prompts all begin
 with its header and k-shot examples, so that part is computed once per (subject, adapter) and each question runs only

@@ -56,9 +56,8 @@ class TokenizeBeside:
         self.started = time.perf_counter()
         self.seconds: float | None = None  # the child's wall time, once it has ended
         with open(self.dir / "stderr.txt", "wb") as stderr:
-            self.process = subprocess.Popen([sys.executable, "-c", "from lora_eval.tasks.mmlu.tokenize import main; main()",
-                                             str(self.dir)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=stderr, env=env)
+            self.process = subprocess.Popen([sys.executable, "-c", f"from {__name__} import main; main()", str(self.dir)],
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
         self._stop = weakref.finalize(self, _stop, self.process, self.dir)
 
     def __enter__(self) -> "TokenizeBeside":
