@@ -4,6 +4,7 @@ the file, few modules directly in lora_eval/, no long function outside the kerne
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,3 +135,11 @@ def test_no_long_function_outside_the_kernels():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages a (non-editable) install ships: a layer folder left out would be missing from
+    the wheel while every editable checkout works."""
+    listed = set(tomllib.loads(ROOT.joinpath("pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.joinpath("lora_eval").rglob("__init__.py")}
+    assert folders | {"lora_eval.kernels", "lora_eval.runners"} == listed
