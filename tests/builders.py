@@ -41,6 +41,10 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 # Relative size of adapter deltas: each delta has about this fraction of the norm of the weight it
@@ -203,6 +207,7 @@ def save_random_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(_random_like(name, param, generator, router_gain, lm_head_gain))
+        _centre_norms(model)
     model.to(dtype)
     out_dir = Path(out_dir)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -670,6 +675,7 @@ def save_random_model_from_config(out_dir, config: dict, *, seed: int, dtype=tor
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(_random_like(name, param, generator, router_gain, lm_head_gain))
+        _centre_norms(model)
     model.to(dtype).save_pretrained(out_dir)
     return out_dir
 
@@ -739,3 +745,61 @@ def write_expert_adapter_vl(model_dir, out_dir, *, layout: str, seed: int, rank:
     save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return MergedOracle(model=model, adapter_dir=out_dir)
 
+
+
+# --- Gated DeltaNet hybrids: Qwen3-Next and Qwen3.5 MoE ----------------------------------------------------------
+
+# model types whose RMSNorms compute x / rms(x) * (1 + w) (transformers initialises w to zeros): their random
+# norm weights are drawn around 0, as _random_like draws the others' around 1, so that every norm keeps the scale
+ZERO_CENTRED_NORMS = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _centre_norms(model) -> None:
+    """Shift a zero-centred family's norm weights (all but Gated DeltaNet's gated norm, a plain one) from ~1 to ~0."""
+    types = {model.config.model_type, getattr(model.config, "text_config", model.config).model_type}
+    if not types & set(ZERO_CENTRED_NORMS):
+        return
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") and ".linear_attn.norm." not in name and "visual" not in name:
+            param.sub_(1.0)
+
+
+# the linear-attention shapes of the releases, scaled down: 2 key heads serving 4 value heads (the releases' 16 / 32
+# and 16 / 64 keep this 1:2 or 1:4 grouping), conv width 4
+TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_conv_kernel_dim=4)
+# three linear layers, then a full one, then one more linear: one period of the releases' pattern plus one
+TINY_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+
+
+def tiny_qwen3_next_config(**overrides) -> dict:
+    """Qwen3NextConfig kwargs: 5 layers (the pattern from full_attention_interval 4, as the release gives none), 6
+    experts top-2 plus a shared expert, layer 1 dense (mlp_only_layers), gated attention of head_dim 16 with RoPE on a
+    quarter of it, norm_topk_prob false (the release's is true: both are tested)."""
+    hybrid = dict(num_hidden_layers=5, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                  shared_expert_intermediate_size=8, intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=False,
+                  full_attention_interval=4, partial_rotary_factor=0.25, **TINY_LINEAR)
+    return _common_config(**{**hybrid, **overrides})
+
+
+def tiny_qwen3_5_moe_config(**overrides) -> dict:
+    """Qwen3_5MoeConfig kwargs: the text model (TINY_LAYER_TYPES, 6 experts top-2 plus a shared expert on every
+    layer, gated attention of head_dim 16, interleaved mrope on a quarter of it) under text_config, and a one-block
+    vision tower. Overrides go to text_config, but tie_word_embeddings, which is top-level."""
+    top = {key: overrides.pop(key) for key in ("tie_word_embeddings",) if key in overrides}
+    text = _common_config(**{**dict(
+        num_hidden_layers=5, head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, layer_types=TINY_LAYER_TYPES,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[1, 1, 0], mrope_interleaved=True), **TINY_LINEAR), **overrides})
+    text.pop("intermediate_size")
+    tie = text.pop("tie_word_embeddings")
+    vision = {k: v for k, v in TINY_VISION.items() if k != "deepstack_visual_indexes"}
+    return {"text_config": text, "vision_config": vision, "tie_word_embeddings": tie, **top}
+
+
+FAMILIES.update({
+    "qwen3_next": (tiny_qwen3_next_config, Qwen3NextConfig, Qwen3NextForCausalLM),
+    "qwen3_5_moe": (tiny_qwen3_5_moe_config, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),
+})
+HF_MODEL_CLASSES["qwen3_5_moe"] = Qwen3_5MoeForConditionalGeneration

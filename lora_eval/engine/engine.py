@@ -239,13 +239,13 @@ class Engine:
             key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]))
             entry = held.get(key) or self.prefix_cache.get(key)
             if entry is None:
-                kept = []
+                kept, states = [], []
                 if with_logprobs:
-                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept)).get()[0]  # [p]
+                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept, states)).get()[0]  # [p]
                 else:
-                    self._forward([list(key[2])], [slot], capture=(p, kept))
+                    self._forward([list(key[2])], [slot], capture=(p, kept, states))
                     lp = None
-                entry = PrefixKV(p, kept, lp)
+                entry = PrefixKV(p, kept, lp, states)
                 self.prefix_cache.put(key, entry, in_use=sum(e.nbytes for k, e in held.items()
                                                              if k not in self.prefix_cache.entries))
             held[key] = entry

@@ -28,6 +28,7 @@ from ..adapters.targets import layer_of
 from ..kernels.dense_lora import (dense_lora, dense_lora_expand, dense_lora_ref, dense_lora_shrink, embedding_lora,
                                  embedding_lora_ref, lora_residual_add)
 from ..kernels.fused_moe import fused_moe, fused_moe_ref, pick_config
+from ..kernels.gated_delta import causal_conv1d, causal_conv1d_ref, gated_delta_rule, gated_delta_rule_ref
 from ..kernels.head_norm_rope import head_norm_rope
 from ..kernels.linear import linear_ref, pointwise_in_blocks
 from ..kernels.lora_meta import lora_metadata
@@ -63,10 +64,12 @@ class Forward:
         """`prefixes`: per row None or a cached prefix (lora_eval.engine.prefixes.PrefixKV: its length and per attention
         layer the keys and values of its positions): the row holds only the suffix; its positions start at the
         prefix's length and each layer's attention sees the prefix's keys and values before the row's own.
-        `capture` = (n, list): each attention layer appends (k [nkv, n, Dk], v [nkv, n, Dv]) of the first n
-        positions of row 0 to the list (a prefix pass: one row). Layers are counted by their attention calls: every
-        family calls `attention` exactly once per decoder layer, in layer order, so the i-th call of a forward is
-        layer i's (one counter per Forward, which serves one forward).
+        `capture` = (n, list, states): each attention layer appends (k [nkv, n, Dk], v [nkv, n, Dv]) of the first n
+        positions of row 0 to the list (a prefix pass: one row), and each Gated DeltaNet layer appends its state
+        after those n positions to `states` (see linear_attention). Layers are counted by their attention calls
+        (and linear-attention calls): every family calls `attention` exactly once per attention layer, in layer
+        order, so the i-th call of a forward is attention layer i's (one counter per Forward, which serves one
+        forward).
         `invariant` (the batch-invariant mode, Triton path): every launch setting that would follow the batch's size
         is fixed (kernels/tiles.py), the dense projections run through kernels/matmul.py instead of cuBLAS and
         attention through kernels/prefix_attention.py, so that a row's result does not depend on the other rows of
@@ -77,6 +80,7 @@ class Forward:
         self.prefixes = prefixes if prefixes is not None and any(p is not None for p in prefixes) else None
         self.capture = capture
         self._attention_calls = 0
+        self._linear_attention_calls = 0  # Gated DeltaNet layers, counted as attention layers are (see `capture`)
         self._rows_by_prefix = None  # built by _prefix_groups
         self._row_lengths = None  # likewise, or by _prefix_table
         self._table = None  # built by _prefix_table
@@ -147,7 +151,8 @@ class Forward:
         `residual` [T, out]: return residual + the projection (on the Triton path the LoRA expand runs inside that
         sum: dense_lora.lora_residual_add); `y`: the base projection x W^T (+ b) when the caller computed it (one
         GEMM of a projection group, `linears`)."""
-        if residual is not None and self.probe is not None and ".self_attn." in module.site:
+        if residual is not None and self.probe is not None and (".self_attn." in module.site
+                                                                 or ".linear_attn." in module.site):
             self.observe(module.site, "attention", self.linear(module, x, with_lora))  # [T, out], apart from the sum
         base = self.gemm
         if y is None:
@@ -261,12 +266,18 @@ class Forward:
             norm = rms_norm
         else:
             norm = rms_norm_ref
-        y = norm(x, module.weight, module.eps)
+        offset = module.unit_offset
+        y = norm(x, module.weight, module.eps, offset)
         override = self.stack.overrides.get(module.site) if self.stack is not None else None
         if override is not None:
             y = self._replace(override, y, lambda rows, p: norm(x if rows is None else x[rows], p["weight"],
-                                                                 module.eps))
+                                                                 module.eps, offset))
         return y
+
+    def gated_norm(self, module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm of Gated DeltaNet's output: norm(x) * silu(gate) with the product in float32, rounded
+        to x's dtype once (transformers' Qwen3NextRMSNormGated): x, gate [N, D] -> [N, D]."""
+        return (self.norm(module, x) * self.pointwise(F.silu, gate.float())).to(x.dtype)
 
     def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:
         """fn (an elementwise op: sigmoid, silu) of xs (tensors of one shape whose size follows the batch, e.g.
@@ -353,7 +364,7 @@ class Forward:
         layer = self._attention_calls
         self._attention_calls += 1
         if self.capture is not None:
-            n, kept = self.capture
+            n, kept = self.capture[:2]
             kept.append((k[0, :, :n].clone(memory_format=torch.contiguous_format),
                          v[0, :, :n].clone(memory_format=torch.contiguous_format)))
         if self.prefixes is not None or self.invariant:  # (invariant: one program per row and head, fixed tiles)
@@ -377,6 +388,64 @@ class Forward:
             out[b, :, :n] = F.scaled_dot_product_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                                                            is_causal=True, scale=scale, enable_gqa=gqa)[0]
         return out
+
+    def linear_attention(self, module, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, B: int,
+                         L: int) -> torch.Tensor:
+        """Gated DeltaNet's token mixing over the rows of a padded [B, L] batch: a causal depthwise convolution with
+        SiLU over qkv [T, C] (the channels: queries, keys, values), then the gated delta rule with beta = sigmoid(b)
+        and log decay g = -exp(A_log) * softplus(a + dt_bias) (b, a [T, Hv]) -> [T, Hv, V] (padding rows: zeros
+        on the torch path, garbage on the GPU). Every row is its own sequence, so no state crosses rows; the torch
+        path runs each row over its own length (batch-invariant as the other ops), the GPU one launch per op
+        (kernels/gated_delta.py). A row continuing a cached prefix starts from the prefix's last conv inputs and
+        recurrent state (PrefixKV.states, this layer's); a prefix pass (`capture`) keeps them after n positions."""
+        layer = self._linear_attention_calls
+        self._linear_attention_calls += 1
+        beta = self.pointwise(torch.sigmoid, b).view(B, L, -1)  # [B, L, Hv]
+        g = -module.A_log.float().exp() * self.pointwise(F.softplus, a.float() + module.dt_bias.float())  # [T, Hv]
+        x, g = qkv.view(B, L, -1), g.view(B, L, -1)  # [B, L, C], [B, L, Hv] float32
+        states = [None] * B
+        if self.prefixes is not None:
+            states = [None if p is None else p.states[layer] for p in self.prefixes] + [None] * (B - len(self.prefixes))
+        if self.triton:
+            start = None
+            if any(s is not None for s in states):
+                conv = torch.stack([module.conv_state(x) if s is None else s[0].to(x) for s in states])  # [B, W-1, C]
+                recurrent = torch.stack([module.recurrent_state(x) if s is None else s[1] for s in states])
+                start = (conv, recurrent)  # [B, W-1, C], [B, Hv, K, V] float32
+            return self._delta_rows(module, x, beta, g, start).reshape(B * L, *module.value_shape)
+        out = x.new_zeros(B, L, *module.value_shape)  # [B, L, Hv, V]
+        for row, n in enumerate(self.lengths):
+            state = states[row]
+            start = None if state is None else (state[0][None], state[1][None])
+            out[row, :n] = self._delta_rows(module, x[row:row + 1, :n], beta[row:row + 1, :n], g[row:row + 1, :n],
+                                            start)[0]
+        return out.view(B * L, *module.value_shape)
+
+    def _delta_rows(self, module, x, beta, g, start) -> torch.Tensor:
+        """linear_attention's conv and delta rule over rows x [R, n, C] from `start` (conv inputs [R, W-1, C],
+        recurrent state [R, Hv, K, V]) or zeros -> [R, n, Hv, V]; under `capture` (one row) split after the first n
+        positions, whose end state is kept."""
+        conv = causal_conv1d if self.triton else causal_conv1d_ref
+        delta = gated_delta_rule if self.triton else gated_delta_rule_ref
+        weight = module.conv1d.weight[:, 0]  # [C, W]
+
+        def run(x, beta, g, start, keep: bool):
+            y, conv_state = conv(x, weight, None if start is None else start[0])  # [R, n, C], [R, W-1, C]
+            q, k, v = y.split(module.qkv_split, dim=-1)
+            R, n = x.shape[:2]
+            out, recurrent = delta(q.reshape(R, n, -1, module.head_k_dim), k.reshape(R, n, -1, module.head_k_dim),
+                                   v.reshape(R, n, *module.value_shape), g, beta,
+                                   None if start is None else start[1], output_final_state=keep)
+            return out, (conv_state, recurrent)  # [R, n, Hv, V]
+
+        if self.capture is None:
+            return run(x, beta, g, start, False)[0]
+        n = self.capture[0]
+        first, state = run(x[:, :n], beta[:, :n], g[:, :n], start, True)
+        self.capture[2].append((state[0][0].clone(), state[1][0].clone()))  # [W-1, C], [Hv, K, V] float32
+        if x.shape[1] == n:
+            return first
+        return torch.cat([first, run(x[:, n:], beta[:, n:], g[:, n:], state, False)[0]], dim=1)
 
     def _prefix_groups(self, rows: int, device) -> list:
         """[(prefix or None, rows [G] on device)]: the batch's `rows` rows by cached prefix, built at the first layer

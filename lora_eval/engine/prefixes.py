@@ -42,10 +42,13 @@ MAX_SPLIT_DEPTH = 64  # shared_prefix_lengths: how deep a run of neighbours is s
 class PrefixKV:
     """A computed prefix: `length` positions; `kv[i]` = (k [nkv, length, Dk], v [nkv, length, Dv]) of attention
     layer i; `logprobs` [length] float32 on the CPU (lp[j] = log p(token j+1 | tokens ..j), the last one predicting
-    the token after the prefix) or None when the entry was made for last-position scoring only."""
+    the token after the prefix) or None when the entry was made for last-position scoring only; `states[i]` = (conv
+    inputs [W-1, C], recurrent state [Hv, K, V] float32) of linear-attention layer i at the prefix's end (Gated
+    DeltaNet: a linear layer's prefix is its state, not keys and values)."""
     length: int
     kv: list
     logprobs: torch.Tensor | None = None
+    states: list = field(default_factory=list)
     _addresses: torch.Tensor | None = field(default=None, repr=False)
 
     def addresses(self) -> torch.Tensor:
@@ -57,7 +60,7 @@ class PrefixKV:
 
     @property
     def nbytes(self) -> int:
-        held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv + self.states)
         return held + (self.logprobs.numel() * 4 if self.logprobs is not None else 0)
 
 
@@ -174,9 +177,12 @@ def grouped_order(lengths: list[int], groups: list, group_bytes: dict | None = N
 
 def prefix_bytes_per_token(args, dtype: torch.dtype) -> int:
     """Bytes a computed prefix (PrefixKV) holds per token: every layer's keys and values (MLA's decompressed, all
-    heads) in the compute dtype, and a float32 logprob."""
+    heads) in the compute dtype, and a float32 logprob. A Gated DeltaNet layer holds a state of a fixed size per
+    prefix instead (PrefixKV.states; 4 MiB in float32 at Qwen3.5-35B-A3B's widths), not counted per token: the
+    cache's budget is kept on the entries' own bytes (PrefixCache), this only plans which groups share a chunk."""
     if hasattr(args, "v_head_dim"):  # MLA: q/k heads of head_dim, v heads of v_head_dim, num_heads of each
         per_layer = args.num_heads * (args.head_dim + args.v_head_dim)
     else:
         per_layer = 2 * args.num_kv_heads * args.head_dim
-    return args.num_layers * per_layer * torch.empty(0, dtype=dtype).element_size() + 4
+    layers = sum(t != "linear_attention" for t in getattr(args, "layer_types", ())) or args.num_layers
+    return layers * per_layer * torch.empty(0, dtype=dtype).element_size() + 4

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError, UnsupportedError
-from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3, qwen3_vl_moe
+from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3, qwen3_next, qwen3_vl_moe
 from .checkpoint import TensorDict, TensorFiles, check_finite, check_finite_numbers, read_json
 from .layers import Linear, group_projections
 from .quantized import QuantizedFiles, read_quantization
 
 # model_type in config.json -> the module holding that family's ModelArgs, CausalLM and load_weights
 FAMILIES = {model_type: family for family in (qwen3, mixtral, olmoe, qwen2_moe, gpt_oss, glm4_moe, qwen3_vl_moe,
-                                             deepseek_v3)
+                                             deepseek_v3, qwen3_next)
             for model_type in family.MODEL_TYPES}
 # transformers' in-memory names that are not checkpoint tensors
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)

@@ -62,6 +62,9 @@ SIZE_LIMITS = {
                     2**20),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
                      "n_shared_experts", "n_group", "topk_group"), 2**16),
+    **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim"), 2**20),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_conv_kernel_dim"), 2**12),
+    "full_attention_interval": 10_000,
     "vocab_size": 2**24,
     **dict.fromkeys(("num_attention_heads", "num_key_value_heads"), 2**12),
     # positions: int32 in the kernels' position tensors; a rope table is computed for the positions a batch holds
@@ -251,11 +254,12 @@ def _stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, computed in float32 like transformers; adapters may carry their own w."""
+    """x / rms(x) * w, computed in float32 like transformers; adapters may carry their own w. `unit_offset`: the
+    zero-centred form of Qwen3-Next / Qwen3.5, x / rms(x) * (1 + w) all in float32, rounded once at the end."""
 
-    def __init__(self, site: str, dim: int, eps: float):
+    def __init__(self, site: str, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.site, self.eps = site, eps
+        self.site, self.eps, self.unit_offset = site, eps, unit_offset
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)  # [dim]
 
     def forward(self, x: torch.Tensor, fwd) -> torch.Tensor:
