@@ -1,0 +1,272 @@
+"""Qwen3-Next (qwen3_next) and Qwen3.5 MoE (qwen3_5_moe, qwen3_5_moe_text), the Gated DeltaNet hybrids, against
+transformers in float32 on the CPU (adapters: tests/test_qwen3_next_adapters.py).
+
+1. base logprobs of tiny checkpoints keeping the layer pattern (three linear layers, a full one, one more linear),
+   in each layout transformers writes (the vision-language checkpoint with keys under model.language_model. and
+   per-expert weights; the text model alone; fused experts), rows of 2..150 tokens (the delta rule's 64-token chunks
+   crossed) run alone and packed in one batch: within 1e-5. The bound is tight for these hybrids: a Gated DeltaNet
+   layer amplifies rounding (in transformers itself, a relative 1.2e-7 of noise on one linear layer's input moves
+   the logprobs of these tiny models by up to 6e-5 with key / value heads of 8 dims, less with 16: hence
+   builders.TINY_LINEAR's 16, and router / lm_head gains of 1);
+2. the checkpoint's multi-token-prediction and vision-tower keys skipped by name, any other unknown key refused; our
+   parameters are transformers' text model's, name for name;
+3. the published configs read as released (Qwen3.5's nested text_config, Qwen3-Next's pattern from
+   full_attention_interval), and shrunk they give transformers' logprobs;
+4. shared-prefix reuse (the prefix's conv inputs and recurrent state carried into the suffix rows) equals the
+   whole-sample path, base and adapter;
+5. the Triton backend (interpreter) against the torch backend; rms_norm's zero-centred form against transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5MoeForCausalLM
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+from lora_eval import Batch, Engine, EngineOptions, InputError
+from lora_eval.kernels.rms_norm import rms_norm, rms_norm_ref
+from lora_eval.models import family_and_args, load_model
+from tests.builders import (hf_logprobs, load_hf_model, random_sequences, save_random_model,
+                            save_random_model_from_config, save_random_peft_adapter)
+from tests.conftest import CPU
+from tests.test_adapters import assert_rows_close
+
+VOCAB = 96
+GAINS = dict(router_gain=1.0, lm_head_gain=0.5)  # see the module notes (1.)
+CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "data" / "model-configs"
+
+# case -> (family, save_random_model overrides)
+CASES = {
+    "qwen3_5_moe_vl": ("qwen3_5_moe", {}),
+    "qwen3_5_moe_vl_tied": ("qwen3_5_moe", dict(tie_word_embeddings=True)),
+    "qwen3_next": ("qwen3_next", {}),
+    "qwen3_next_fused_tied": ("qwen3_next", dict(fused_experts=True, tie_word_embeddings=True, norm_topk_prob=True,
+                                                 decoder_sparse_step=2, mlp_only_layers=[])),
+}
+
+
+def sequences(seed: int) -> list[list[int]]:
+    """Rows of 2 to 150 tokens: the delta rule's 64-token chunks crossed, padding in every batch."""
+    return [*random_sequences(2, VOCAB, seed=seed, min_len=100, max_len=150),
+            *random_sequences(3, VOCAB, seed=seed + 1, min_len=2, max_len=40)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, session_seed):
+    built = {}
+
+    def get(case: str) -> Path:
+        if case not in built:
+            if case == "qwen3_5_moe_text":  # the same weights in the text model alone, as Qwen3_5MoeForCausalLM
+                vl = load_hf_model(get("qwen3_5_moe_vl"))  # built from a text config saves them (keys model.*)
+                text = Qwen3_5MoeForCausalLM(vl.config.text_config)
+                weights = {k.replace("model.language_model.", "model."): v for k, v in vl.state_dict().items()
+                           if not k.startswith("model.visual.")}
+                text.load_state_dict(weights, strict=True)
+                out = tmp_path_factory.mktemp(case)
+                text.save_pretrained(out)
+                built[case] = out
+            else:
+                family, overrides = CASES[case]
+                built[case] = save_random_model(tmp_path_factory.mktemp(case), family, seed=session_seed,
+                                                **GAINS, **overrides)
+                if overrides.get("tie_word_embeddings"):  # the N(0, 1) table as lm_head: logits as lm_head_gain's
+                    _scale_embedding(built[case], GAINS["lm_head_gain"] / 32**0.5)
+        return built[case]
+
+    return get
+
+
+def _scale_embedding(model_dir: Path, factor: float) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for key in tensors:
+        if key.endswith("embed_tokens.weight"):
+            tensors[key] = tensors[key] * factor
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    loaded = {}
+
+    def get(case: str):
+        if case not in loaded:
+            loaded[case] = load_hf_model(checkpoint(case))
+        return loaded[case]
+
+    return get
+
+
+# --- 1. base logprobs in every layout ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [*CASES, "qwen3_5_moe_text"])
+def test_base_logprobs_match_transformers_alone_and_packed(checkpoint, hf_model, case, seed):
+    seqs = sequences(seed)
+    reference = hf_logprobs(hf_model("qwen3_5_moe_vl" if case == "qwen3_5_moe_text" else case), seqs)
+    engine = Engine.load(checkpoint(case), None, CPU)
+    packed = engine.logprobs(Batch(input_ids=seqs, adapters=[None] * len(seqs)))
+    alone = [engine.logprobs(Batch(input_ids=[s], adapters=[None]))[0] for s in seqs]
+    assert_rows_close(packed, reference, tol=1e-5, what="transformers (rows packed in one batch)")
+    assert_rows_close(alone, reference, tol=1e-5, what="transformers (rows alone)")
+    for a, b in zip(packed, alone):  # the torch path runs each row over its own length: no row sees another
+        assert torch.equal(a, b)
+
+
+def test_layouts_on_disk_differ_and_load_to_the_same_weights(checkpoint):
+    vl, text = (load_file(str(checkpoint(c) / "model.safetensors")) for c in ("qwen3_5_moe_vl", "qwen3_5_moe_text"))
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in vl
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in text
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in vl  # per expert, as released
+    assert any(k.startswith("model.visual.") for k in vl) and not any(k.startswith("model.visual.") for k in text)
+    fused = load_file(str(checkpoint("qwen3_next_fused_tied") / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused and "lm_head.weight" not in fused
+    a, b = load_model(checkpoint("qwen3_5_moe_vl")), load_model(checkpoint("qwen3_5_moe_text"))
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+# --- 2. keys --------------------------------------------------------------------------------------------------
+
+
+def test_parameters_are_transformers_text_model(checkpoint, hf_model):
+    for case in ("qwen3_5_moe_text", "qwen3_next"):
+        hf = hf_model("qwen3_5_moe_vl") if case == "qwen3_5_moe_text" else hf_model(case)
+        theirs = {n.replace("model.language_model.", "model."): tuple(p.shape) for n, p in hf.named_parameters()
+                  if not n.startswith("model.visual.")}
+        ours = {n: tuple(p.shape) for n, p in load_model(checkpoint(case)).named_parameters()}
+        assert ours == theirs, case
+
+
+def test_mtp_and_vision_keys_are_skipped_others_refused(checkpoint, tmp_path, seed):
+    """Releases ship multi-token-prediction layers (mtp.*) that transformers ignores, and Qwen3.5 its vision tower:
+    skipped by those names; a key under any other unknown name is refused."""
+    source = checkpoint("qwen3_5_moe_vl")
+    tensors = load_file(str(source / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    mtp = {"mtp.fc.weight": torch.randn(32, 64, generator=generator),
+           "mtp.layers.0.self_attn.q_proj.weight": torch.randn(128, 32, generator=generator),
+           "mtp.norm.weight": torch.randn(32, generator=generator)}
+    with_mtp = tmp_path / "mtp"
+    shutil.copytree(source, with_mtp)
+    save_file({**tensors, **mtp}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    seqs = sequences(seed)[:2]
+    base = Engine.load(source, None, CPU).logprobs(Batch(input_ids=seqs, adapters=[None, None]))
+    again = Engine.load(with_mtp, None, CPU).logprobs(Batch(input_ids=seqs, adapters=[None, None]))
+    assert all(torch.equal(a, b) for a, b in zip(base, again))
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    save_file({**tensors, "model.language_model.mtp_head.weight": torch.zeros(2)}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(InputError, match="mtp_head"):
+        load_model(other)
+
+
+# --- 3. published configs --------------------------------------------------------------------------------------
+
+
+def _published(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+@pytest.mark.parametrize("name, layers, full, experts, top_k, linear", [
+    ("Qwen3.5-35B-A3B.json", 40, 10, 256, 8, (16, 32, 128, 128)),
+    ("Qwen3.5-122B-A10B.json", 48, 12, 256, 8, (16, 64, 128, 128)),
+    ("Qwen3.5-397B-A17B.json", 60, 15, 512, 10, (16, 64, 128, 128)),
+    ("Qwen3-Next-80B-A3B-Instruct.json", 48, 12, 512, 10, (16, 32, 128, 128)),
+])
+def test_published_configs_read_as_released(name, layers, full, experts, top_k, linear):
+    family, args = family_and_args(_published(name), name)
+    assert family.__name__.endswith("qwen3_next")
+    assert (args.num_layers, args.num_experts, args.top_k) == (layers, experts, top_k)
+    assert args.layer_types.count("full_attention") == full
+    assert all(t == ("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+               for i, t in enumerate(args.layer_types))
+    assert (args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
+            args.linear_value_head_dim) == linear
+    assert args.sparse_layers == tuple(range(layers)) and args.norm_topk_prob
+    assert next(iter(args.rope.values()))["partial_rotary_factor"] == 0.25
+
+
+def shrunk(name: str) -> dict:
+    """A published config with every size shrunk and every structural field kept: 5 layers of its pattern."""
+    config = _published(name)
+    text = config.get("text_config", config)
+    small = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                 num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 num_hidden_layers=5, vocab_size=VOCAB, max_position_embeddings=256)
+    if "intermediate_size" in text:
+        small["intermediate_size"] = 24
+    if "layer_types" in text:
+        small["layer_types"] = text["layer_types"][:4] + text["layer_types"][:1]
+    if "rope_parameters" in text:
+        small["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 0])
+    if "text_config" not in config:
+        return dict(config, **small)
+    vision = dict(config["vision_config"], depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                  num_position_embeddings=16, out_hidden_size=32, patch_size=4)
+    return dict(config, text_config=dict(text, **small), vision_config=vision)
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-35B-A3B.json", "Qwen3-Next-80B-A3B-Instruct.json"])
+def test_shrunk_published_configs_match_transformers(name, tmp_path, seed):
+    model_dir = save_random_model_from_config(tmp_path / "model", shrunk(name), seed=seed, **GAINS)
+    seqs = sequences(seed)[1:4]
+    ours = Engine.load(model_dir, None, CPU).logprobs(Batch(input_ids=seqs, adapters=[None] * len(seqs)))
+    assert_rows_close(ours, hf_logprobs(load_hf_model(model_dir), seqs), tol=1e-5, what="transformers")
+
+
+# --- 4. shared-prefix reuse ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["qwen3_5_moe_vl", "qwen3_next"])
+def test_prefix_reuse_equals_the_whole_sample_path(checkpoint, case, tmp_path, seed):
+    """An RL-style group: one prompt (70 tokens: past a 64-token chunk) and several completions. With the prefix
+    computed once (its conv inputs and recurrent state carried into each suffix) every row's logprobs equal those of
+    the row run whole, for the base model and under an adapter."""
+    adapter = save_random_peft_adapter(checkpoint(case), tmp_path / "adapter", seed=seed, r=4, lora_alpha=8,
+                                       target_modules="all-linear")
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (70,), generator=generator).tolist()
+    rows = [prompt + torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 5, 17, 40)]
+    engine = Engine.load(checkpoint(case), {"a": adapter}, CPU)
+    for name in (None, "a"):
+        whole = engine.logprobs(Batch(input_ids=rows, adapters=[name] * len(rows)))
+        reused = engine.logprobs(Batch(input_ids=rows, adapters=[name] * len(rows), prefixes=[70] * len(rows)))
+        assert engine.prefix_stats()["prefixes_computed"] >= 1
+        assert_rows_close(reused, whole, tol=1e-5, what=f"whole-sample path ({name or 'base'})")
+
+
+# --- 5. the Triton backend, the zero-centred norm -------------------------------------------------------------
+
+
+def test_triton_backend_matches_torch_backend(checkpoint, seed):
+    seqs = sequences(seed)[2:]
+    torch_rows = Engine.load(checkpoint("qwen3_5_moe_vl"), None, CPU).logprobs(
+        Batch(input_ids=seqs, adapters=[None] * len(seqs)))
+    triton = Engine.load(checkpoint("qwen3_5_moe_vl"), None, EngineOptions(device="cpu", dtype="float32",
+                                                                           backend="triton"))
+    assert_rows_close(triton.logprobs(Batch(input_ids=seqs, adapters=[None] * len(seqs))), torch_rows, tol=1e-5,
+                      what="torch backend")
+
+
+def test_zero_centred_rms_norm_is_transformers(seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 48, generator=generator) * 3  # [M, D]
+    norm = Qwen3NextRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(48, generator=generator))
+    for dtype in (torch.float32, torch.float16):
+        expected = norm.to(dtype)(x.to(dtype))
+        assert torch.equal(rms_norm_ref(x.to(dtype), norm.weight, 1e-6, unit_offset=True), expected)
+        got = rms_norm(x.to(dtype), norm.weight, 1e-6, unit_offset=True)  # the interpreter's kernel
+        assert got.dtype == dtype and torch.allclose(got.float(), expected.float(), atol=2e-3 if dtype != torch.float32
+                                                     else 1e-6, rtol=0)
