@@ -24,19 +24,23 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
 from lora_eval import Batch, Engine, EngineOptions, InputError
+from lora_eval.cli import cli
 from lora_eval.kernels.rms_norm import rms_norm, rms_norm_ref
 from lora_eval.models import family_and_args, load_model
 from tests.builders import (hf_logprobs, load_hf_model, random_sequences, save_random_model,
-                            save_random_model_from_config, save_random_peft_adapter)
+                            save_random_model_from_config, save_random_peft_adapter, save_random_peft_adapter_any)
 from tests.conftest import CPU
 from tests.test_adapters import assert_rows_close
+from tests.test_distributed import finish, torchrun
 
 VOCAB = 96
 GAINS = dict(router_gain=1.0, lm_head_gain=0.5)  # see the module notes (1.)
@@ -244,6 +248,53 @@ def test_prefix_reuse_equals_the_whole_sample_path(checkpoint, case, tmp_path, s
         reused = engine.logprobs(Batch(input_ids=rows, adapters=[name] * len(rows), prefixes=[70] * len(rows)))
         assert engine.prefix_stats()["prefixes_computed"] >= 1
         assert_rows_close(reused, whole, tol=1e-5, what=f"whole-sample path ({name or 'base'})")
+
+
+# --- 4b. the commands: dump-reference (transformers + PEFT) -> compare, one process, data and expert parallel -----
+
+
+def _summary(run: Path):
+    return pd.read_csv(run / "summary.csv").set_index("adapter")
+
+
+def test_dump_reference_and_compare_through_the_cli(checkpoint, tmp_path, seed):
+    """Adapters made by PEFT on the vision-language model (keys under model.language_model.) and on the text model
+    AutoModelForCausalLM builds: dump-reference (transformers + PEFT, float32) loads each into the class it was made
+    on, and compare agrees within float32 rounding with --batch-tokens small (rows alone) and large (packed), in one
+    process and under torchrun with two ranks of data parallel and of expert parallel: the same tables."""
+    model = checkpoint("qwen3_5_moe_vl")
+    vl = save_random_peft_adapter_any(model, tmp_path / "vl", seed=seed, r=4, lora_alpha=8, target_modules="all-linear")
+    text = save_random_peft_adapter(model, tmp_path / "text", seed=seed + 1, r=4, lora_alpha=8,
+                                    target_modules="all-linear")
+    prompts = tmp_path / "prompts.jsonl"
+    rows = random_sequences(8, VOCAB, seed=seed, min_len=3, max_len=100)
+    prompts.write_text("".join(json.dumps(dict(sample_id=f"s{i}", input_ids=ids, adapter=["vl", "text"][i % 2])) + "\n"
+                               for i, ids in enumerate(rows)))
+    adapters = ["--adapter", f"vl={vl}", "--adapter", f"text={text}"]
+    reference = tmp_path / "ref.parquet"
+    result = CliRunner().invoke(cli, ["dump-reference", "--model", str(model), *adapters, "--prompts", str(prompts),
+                                      "--out", str(reference), "--dtype", "float32", "--quiet"])
+    assert result.exit_code == 0, result.output
+    runs = {}
+    for tokens in (64, 4096):
+        runs[tokens] = tmp_path / f"run{tokens}"
+        result = CliRunner().invoke(cli, ["compare", "--model", str(model), *adapters, "--reference", str(reference),
+                                          "--out", str(runs[tokens]), "--batch-tokens", str(tokens), "--quiet"])
+        assert result.exit_code == 0, result.output
+        summary = _summary(runs[tokens])
+        assert (summary["max_abs_diff"] < 1e-5).all() and set(summary.index) >= {"vl", "text"}, summary
+    args = ["compare", "--model", model, *adapters, "--reference", reference, "--batch-tokens", 64]
+    one = pd.read_parquet(runs[64] / "tokens.parquet").sort_values(["sample_id", "position"])["engine"].to_numpy()
+    for flags in ([], ["--expert-parallel"]):
+        out = tmp_path / f"ranks{len(flags)}"
+        code, stdout, stderr = finish(torchrun(2, [*args, "--out", out, *flags]))
+        assert code == 0, stderr[-3000:]
+        assert (_summary(out)["max_abs_diff"] < 1e-5).all()
+        two = pd.read_parquet(out / "tokens.parquet").sort_values(["sample_id", "position"])["engine"].to_numpy()
+        if flags:  # the experts' sums split over ranks: float32 rounding apart
+            assert abs(two - one).max() < 1e-5
+        else:  # data parallel: each row computed as in one process (the torch path is batch-invariant)
+            assert (two == one).all()
 
 
 # --- 5. the Triton backend, the zero-centred norm -------------------------------------------------------------

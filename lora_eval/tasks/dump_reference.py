@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from safetensors import safe_open
 
 from ..adapters import load_adapter
 from ..engine.engine import DTYPES, EngineOptions, first_non_finite, overflow_error
@@ -33,6 +34,7 @@ from ..results.runfolder import RECORD_KEY, Work, run_inputs
 from .run import Hashed, Plan, Run, Task, Units, run_task
 
 PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
+VL_ADAPTER_PREFIX = "base_model.model.model.language_model."  # keys of an adapter trained on a vision-language model
 
 
 def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None, prompts: str | Path,
@@ -103,17 +105,18 @@ class DumpReferenceTask(Task):
     def run(self, work: Work, run: Run) -> None:
         """Each prompt's logprobs from transformers (+ PEFT or merged deltas), one sample per unit of work."""
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
-        frame, options, model = self.frame, self.options, None
+        frame, options, model, loaded_as = self.frame, self.options, None, None
         with quiet_libraries():
             for name in [None] + sorted(self.adapters):
                 rows = frame.index[frame["adapter"].isna()] if name is None else frame.index[frame["adapter"] == name]
                 todo = work.pending(int(i) for i in rows)
                 if not todo:
                     continue
-                if model is None:
-                    model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=DTYPES[options.dtype])
+                wanted = loaded_as if name is None and model is not None else self._model_class(name)
+                if model is None or wanted != loaded_as:
+                    model, loaded_as = None, wanted
+                    model = wanted.from_pretrained(str(self.model_dir), dtype=DTYPES[options.dtype])
                     model = model.to(options.device).eval()
                     check_loaded_weights(self.model_dir, dict(model.named_parameters()))  # NaN / inf by file and key
                 runner = self._runner(model, name)
@@ -125,6 +128,21 @@ class DumpReferenceTask(Task):
                     work.record(i, pd.DataFrame(dict(logprobs=[np.asarray(lp, dtype=np.float32)])))
                 if isinstance(runner, PeftModel):
                     model = runner.unload()  # back to the plain base model for the next adapter
+
+    def _model_class(self, name: str | None):
+        """transformers' class for adapter `name`'s rows: the vision-language model where the adapter was trained on
+        it (its keys under `model.language_model.`, e.g. Qwen3.5's) and AutoModelForCausalLM builds the text model
+        alone, whose module paths PEFT would not match (it loads none of those keys, silently); else
+        AutoModelForCausalLM."""
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        adapter = None if name is None else self.parsed[name]
+        wfile = None if adapter is None else adapter.weights_file
+        if wfile is None or wfile.suffix != ".safetensors" or not adapter.layouts <= PEFT_LAYOUTS:
+            return AutoModelForCausalLM
+        with safe_open(str(wfile), framework="pt") as f:
+            vl = any(key.startswith(VL_ADAPTER_PREFIX) for key in f.keys())
+        return AutoModelForImageTextToText if vl else AutoModelForCausalLM
 
     def _runner(self, model, name: str | None):
         """The base `model`, or it under adapter `name`: through PEFT where PEFT loads the layout, else merged."""
