@@ -14,7 +14,7 @@
 # logits in float32 (10 GB at Qwen3.5's 248k vocabulary, 6 GB at Qwen3-Next's 152k), PEFT's expert weights merged
 # with the adapter per layer and the adapters: 35B-A3B takes 1.69 GB a layer + 2.0 GB outside the layers, so 32
 # layers are ~73 GB at transformers' peak (36 would leave ~3 GB of an H100's 80: too close to try inside one call);
-# 80B-A3B 3.30 GB a layer + 1.25 GB, so 16 layers are ~67 GB (20 would be ~84). Both sides run at the same depth;
+# 80B-A3B 3.30 GB a layer + 1.25 GB, so 16 layers are ~70 GB (20 would be ~83). Both sides run at the same depth;
 # if one runs out of device memory the bench runs again one period shallower (28, 12), and the summary says so.
 # Results in $OUT: hybrid_summary.txt (the compact summary, also printed), hybrid.json (the same figures) and
 # hybrid.tgz (bench CSVs and logs, compare run records and logs, env.txt).

@@ -50,6 +50,7 @@ from lora_eval.models import load_model
 from lora_eval.inputs.references import write_reference
 from lora_eval.runners.graphs import pad_to_bucket
 from tests.builders import HF_MODEL_CLASSES
+from tests.cli_checks import assert_input_error
 from tests.test_deepseek_v3 import PUBLISHED as DEEPSEEK_PUBLISHED
 from tests.test_qwen3_vl_moe import PUBLISHED as QWEN3_VL_PUBLISHED
 
@@ -250,7 +251,7 @@ def test_published_widths_through_the_cli(family, tmp_path, session_seed):
             result = CliRunner().invoke(cli, ["compare", "--model", str(model_dir), "--reference", str(reference),
                                               "--out", str(root / "refused"), "--device", DEVICE, "--batch-invariant",
                                               "--quiet"])
-            assert result.exit_code == 2 and "--batch-invariant" in result.stderr, (result.stdout, result.stderr)
+            assert_input_error(result, "--batch-invariant")
 
         # the default mode, eagerly through the CLI: base rows of mixed batches as with no adapter loaded
         base_ids = set(frame.loc[frame["adapter"].isna(), "sample_id"])
@@ -298,12 +299,18 @@ def transformers_logprobs(model_dir: Path, adapter_dir: Path, rows, dtype: torch
     peft = PeftModel.from_pretrained(cls.from_pretrained(model_dir, dtype=dtype, device_map=DEVICE), adapter_dir,
                                      adapter_name="a").eval()
     out = {}
-    for row in rows:
-        if row.adapter is None:
-            with peft.disable_adapter():
+    # float32 in full: cuDNN would run transformers' torch convolution (the Gated DeltaNet conv1d) in TF32 by default
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for row in rows:
+            if row.adapter is None:
+                with peft.disable_adapter():
+                    out[row.sample_id] = hf_logprobs(peft, [row.input_ids], DEVICE)[0]
+            else:
                 out[row.sample_id] = hf_logprobs(peft, [row.input_ids], DEVICE)[0]
-        else:
-            out[row.sample_id] = hf_logprobs(peft, [row.input_ids], DEVICE)[0]
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     del peft
     free_device()
     return out
