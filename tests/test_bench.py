@@ -385,7 +385,7 @@ def test_experts_target_where_peft_cannot_wrap_the_router(tmp_path):
 def test_every_published_config_benches_on_cuda(config_file, tmp_path):
     """The real shapes, bf16, two layers (a hybrid's: up to its first attention layer, 3 Gated DeltaNet layers and
     one attention), our engine only (--skip-hf): exit 0 and finite figures for every config of benchmarks/configs/
-    (the largest, Qwen3-235B-A22B's two MoE layers, is 12.5 GB, Qwen3-Next-80B-A3B's four 13.5 GB; DeepSeek-V3's
+    (the largest, Qwen3-235B-A22B's two MoE layers, is 12.5 GB, Qwen3-Next-80B-A3B's four 14.4 GB; DeepSeek-V3's
     first two layers are dense, which the note says). One pytest-xdist group (`--dist loadgroup`): one such model at
     a time beside the other GPU tests (about 80 s in all on an H200, before the hybrids)."""
     out = tmp_path / "bench.csv"
