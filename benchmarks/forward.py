@@ -48,7 +48,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import lora_eval.kernels.fused_moe as fused_moe_module
 from lora_eval.adapters import load_adapter
-from lora_eval.tasks.bench import make_peft_adapters, measure, parse_batch, random_hf_model, read_model_config
+from lora_eval.tasks.bench import (make_peft_adapters, measure, parse_batch, random_hf_model, read_model_config,
+                                   text_config)
 from lora_eval.engine.engine import Batch, Engine
 from lora_eval.engine.forward import Forward
 from lora_eval.kernels import dense_lora, fused_moe
@@ -152,8 +153,8 @@ def run_profile(args, dev: torch.device, dtype: torch.dtype):
     tensors = hf.state_dict()
     model = load_model_from_tensors(config, tensors, dtype, dev, where=args.config)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config["vocab_size"], (rows, length), generator=g).tolist()
-    shared = torch.randint(0, config["vocab_size"], (args.prefix,), generator=g).tolist()
+    ids = torch.randint(0, text_config(config)["vocab_size"], (rows, length), generator=g).tolist()
+    shared = torch.randint(0, text_config(config)["vocab_size"], (args.prefix,), generator=g).tolist()
     ids = [shared + row for row in ids]
     prefixes = [args.prefix] * rows if args.prefix else None
 
@@ -223,7 +224,8 @@ def run_variants(args, dev: torch.device, dtype: torch.dtype):
         del peft_model, hf
         adapters = [load_adapter(Path(tmp) / name, name, model) for name in names]
     generator = torch.Generator().manual_seed(0)
-    ids = {b: torch.randint(0, config["vocab_size"], parse_batch(b), generator=generator).tolist() for b in batches}
+    vocab = text_config(config)["vocab_size"]
+    ids = {b: torch.randint(0, vocab, parse_batch(b), generator=generator).tolist() for b in batches}
     calls, engines = {}, []
     for variant, patches in VARIANTS.items():
         with contextlib.ExitStack() as stack:

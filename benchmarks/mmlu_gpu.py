@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from lora_eval import mmlu
 from lora_eval.adapters import load_adapter
-from lora_eval.tasks.bench import make_peft_adapters, random_hf_model, read_model_config
+from lora_eval.tasks.bench import make_peft_adapters, random_hf_model, read_model_config, text_config
 from lora_eval.tasks.demo import build_tokenizer
 from lora_eval.engine.engine import Engine, EngineOptions
 from lora_eval.models import load_model_from_tensors
@@ -143,7 +143,8 @@ def report(result, config, dev, build_s, wall_s, prefix_cache):
                 forward_s=run["timings"]["forward_s"], load_s=run["timings"].get("load_s"),
                 questions_per_s=run["questions_per_s"],
                 full_prompt_tokens_per_s=run["prompts"]["tokens_mean"] * run["rows"] / run["timings"]["forward_s"],
-                build_s=build_s, wall_s=wall_s, graphs=run["cuda_graphs"], layers=config["num_hidden_layers"],
+                build_s=build_s, wall_s=wall_s, graphs=run["cuda_graphs"],
+                layers=text_config(config)["num_hidden_layers"],
                 device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__)
     print(pd.Series(line).to_string())
     print(result.summary.to_string(index=False))

@@ -7,6 +7,9 @@ writes DIR/model (config.json, safetensors shards), DIR/peft/adapter (PEFT, rank
 experts) and DIR/reference.parquet (half the samples under the adapter; lengths 128-2048; random logprobs: this
 measures time, not agreement). `--mxfp4` (gpt-oss configs): the experts stored as the release stores them,
 `*_blocks` / `*_scales` (the model's own random values rounded to MXFP4), with the config's quantization_config.
+`--as-released`: the model class the config's `architectures` names (Qwen3.5: the vision-language
+Qwen3_5MoeForConditionalGeneration, text weights under `model.language_model.` beside the vision tower, as released;
+its adapter made on that model as a trainer of it makes one) instead of the text model AutoModelForCausalLM builds.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from lora_eval.tasks.bench import make_peft_adapters, random_hf_model, random_reference, read_model_config
+from lora_eval.tasks.bench import (make_peft_adapters, random_hf_model, random_reference, randomise_weights,
+                                   read_model_config, text_config)
 from lora_eval.tasks.demo import build_tokenizer
 
 
@@ -29,6 +33,8 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", required=True)
     parser.add_argument("--mxfp4", action="store_true", help="experts in MXFP4 as gpt-oss releases them")
+    parser.add_argument("--as-released", action="store_true",
+                        help="the class config.json's architectures names (a vision-language wrapper and all)")
     parser.add_argument("--streamed", action="store_true",
                         help="draw and write one decoder layer at a time (models larger than the device)")
     parser.add_argument("--fp8", action="store_true",
@@ -49,20 +55,35 @@ def main():
     if args.streamed:
         save_streamed(config, out, torch.device(args.device), fp8=args.fp8)
     else:
-        hf = random_hf_model(config, torch.bfloat16, torch.device(args.device), seed=0)
+        hf = (released_model if args.as_released else random_hf_model)(config, torch.bfloat16,
+                                                                       torch.device(args.device), seed=0)
         if args.mxfp4:
             save_mxfp4(hf, out / "model", quantization)
         else:
             hf.save_pretrained(out / "model", max_shard_size="5GB")
         peft_model, _ = make_peft_adapters(hf, ["adapter"], 16, "all", seed=0)
         peft_model.save_pretrained(out / "peft")
-    (out / "model" / "config.json").write_text(json.dumps({**json.loads((out / "model" / "config.json").read_text()),
-                                                            "num_hidden_layers": config["num_hidden_layers"]}))
+    written = json.loads((out / "model" / "config.json").read_text())
+    layers = text_config(config)["num_hidden_layers"]
+    text_config(written)["num_hidden_layers"] = layers
+    (out / "model" / "config.json").write_text(json.dumps(written))
     if args.tokenizer_from:
         texts = [line for f in sorted(Path(args.tokenizer_from).glob("*/*.csv")) for line in f.read_text().splitlines()]
         build_tokenizer(out / "model", vocab_size=32768, texts=texts)
-    random_reference(out / "reference.parquet", args.samples, config["vocab_size"], seed=1)
-    print(f"wrote {out}/model ({config['num_hidden_layers']} layers), {out}/peft/adapter, {out}/reference.parquet")
+    random_reference(out / "reference.parquet", args.samples, text_config(config)["vocab_size"], seed=1)
+    print(f"wrote {out}/model ({layers} layers), {out}/peft/adapter, {out}/reference.parquet")
+
+
+def released_model(config: dict, dtype: torch.dtype, device: torch.device, seed: int):
+    """bench.random_hf_model for the class config.json's `architectures` names, made in `dtype` on `device`."""
+    import transformers
+    from transformers import AutoConfig
+
+    cls = getattr(transformers, config["architectures"][0])
+    with torch.device(device):
+        model = cls._from_config(AutoConfig.for_model(**config), dtype=dtype)
+    randomise_weights(model, seed)
+    return model.eval()
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 4-bit codes 0..7 (bit 3 the sign)

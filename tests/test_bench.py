@@ -54,11 +54,20 @@ def write_small(config_file: Path, folder: Path) -> Path:
 
 
 def layer_counts(config_file: Path) -> list[int]:
-    """First layers to bench a config at: 2 (the GPU test's; gpt-oss: a sliding and a full attention layer) and the
-    fewest that reach its first MoE layer (DeepSeek-V3: 3 dense, then MoE: 4)."""
+    """First layers to bench a config at: 2 (gpt-oss: a sliding and a full attention layer) and the fewest that reach
+    its first MoE layer (DeepSeek-V3: 3 dense, then MoE: 4) and, in a hybrid, one past its first attention layer
+    (Qwen3.5, Qwen3-Next: 3 linear-attention layers, 1 attention, 1 linear: one period of the pattern plus one)."""
     args = family_and_args(read_model_config(config_file), config_file)[1]
     moe = args.sparse_layers[0] + 1 if args.sparse_layers else 2
-    return sorted({min(2, args.num_layers), min(max(2, moe), args.num_layers)})
+    return sorted({min(n, args.num_layers) for n in (2, max(2, moe), hybrid_layers(args))})
+
+
+def hybrid_layers(args) -> int:
+    """One past the first full-attention layer of a hybrid (linear-attention layers first); 2 for other models."""
+    types = list(getattr(args, "layer_types", ()) or ())
+    if "linear_attention" not in types or "full_attention" not in types:
+        return 2
+    return types.index("full_attention") + 2
 
 
 def expected_flops(rows: int, length: int, rank: int | None) -> int:
@@ -353,20 +362,38 @@ def test_peft_fallback_keeps_the_adapter_names(tmp_path, seed):
                 "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"}
 
 
+def test_experts_target_where_peft_cannot_wrap_the_router(tmp_path):
+    """Qwen3.5's router is no Linear and PEFT 0.21 has no expert mapping for it, so `--targets experts` (MLP names
+    in target_modules) makes PEFT refuse the module "gate": make_peft_adapters names the experts and the router in
+    target_parameters instead, and our logprobs equal transformers + PEFT's on that adapter."""
+    path = write_small(CONFIGS / "Qwen3.5-35B-A3B.json", tmp_path)
+    frame = bench(path, layers=5, adapters=1, rank=3, targets="experts", batches=("2x12",), dtype="float32",
+                  device="cpu", repeat=1, warmup=0, quiet=True)
+    assert (frame["status"] == "ok").all()
+    hf = frame[frame["system"] == "hf"]
+    assert hf["note"].str.contains("target_parameters").all()
+    ours = frame[frame["system"] == "ours"].set_index("case")
+    assert (ours["max_abs_diff"] < 1e-5).all(), ours["max_abs_diff"]
+    assert ours.loc["lora-1", "tflops"] * ours.loc["lora-1", "ms_per_batch"] > \
+        ours.loc["base", "tflops"] * ours.loc["base", "ms_per_batch"]  # the adapter's FLOPs counted: it holds LoRA
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("config_file", [pytest.param(p, marks=pytest.mark.xdist_group("bench-configs"))
                                          for p in PUBLISHED], ids=[p.stem for p in PUBLISHED])
 def test_every_published_config_benches_on_cuda(config_file, tmp_path):
-    """The real shapes, bf16, two layers, our engine only (--skip-hf): exit 0 and finite figures for every config
-    of benchmarks/configs/ (the largest, Qwen3-235B-A22B's two MoE layers, is 12.5 GB; DeepSeek-V3's first two
-    layers are dense, which the note says). One pytest-xdist group (`--dist loadgroup`): one such model at a time
-    beside the other GPU tests (about 80 s in all on an H200)."""
+    """The real shapes, bf16, two layers (a hybrid's: up to its first attention layer, 3 Gated DeltaNet layers and
+    one attention), our engine only (--skip-hf): exit 0 and finite figures for every config of benchmarks/configs/
+    (the largest, Qwen3-235B-A22B's two MoE layers, is 12.5 GB, Qwen3-Next-80B-A3B's four 14.4 GB; DeepSeek-V3's
+    first two layers are dense, which the note says). One pytest-xdist group (`--dist loadgroup`): one such model at
+    a time beside the other GPU tests (about 80 s in all on an H200, before the hybrids)."""
     out = tmp_path / "bench.csv"
+    layers = max(2, hybrid_layers(family_and_args(read_model_config(config_file), config_file)[1]) - 1)
     try:
-        result = CliRunner().invoke(cli, ["bench", "--config", str(config_file), "--layers", "2", "--adapters", "1",
-                                          "--batch", "2x512", "--skip-hf", "--repeat", "1", "--warmup", "1",
-                                          "--quiet", "--out", str(out)])
+        result = CliRunner().invoke(cli, ["bench", "--config", str(config_file), "--layers", str(layers),
+                                          "--adapters", "1", "--batch", "2x512", "--skip-hf", "--repeat", "1",
+                                          "--warmup", "1", "--quiet", "--out", str(out)])
     finally:  # the other tests of this process share the GPU
         gc.collect()
         torch.cuda.empty_cache()

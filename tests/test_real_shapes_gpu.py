@@ -12,10 +12,17 @@ and adapter rows are interleaved, with RL-style groups sharing a prompt. Then, t
 - the default mode: the base rows of mixed batches bit for bit what a run with no adapters loaded gives them, eagerly
   through the CLI (whose batches depend on the lengths alone without prefixes) and by graph replay (the engine, on
   the same padded batches).
+The Gated DeltaNet hybrids (Qwen3.5 in its released vision-language layout, Qwen3-Next) keep one period of their
+layer pattern plus one (3 linear-attention layers, 1 gated attention, 1 linear) and are also checked, in bf16, against
+transformers + PEFT: our compare's logprobs (the default mode: graphs and prefix reuse) as close to transformers +
+PEFT in float32 as transformers + PEFT's own bf16 run is (the median |d| within 1.5x; k2 within 10x or 1e-3, as
+tests/test_families.py's assert_bf16_like_cpu), and a graph replay equal to the eager forward of the same padded
+batch, bit for bit (tests/test_graphs_gpu.py's check, at these widths).
 The models are sized to keep the GPU suite near its budget (at most 4 minutes on one H100): the widths, heads, expert
-intermediate sizes and top-k are the published ones, and so are the expert counts except DeepSeek-V3's and
+intermediate sizes and top-k are the published ones, and so are the expert counts except DeepSeek-V3's,
 Kimi-K2's (64 of 256 and of 384: one MoE layer of the full count is 23 / 34 GB; both pass this test at their full
-counts too: BENCHMARKS-history.md). They run in XDIST_GROUPS pytest-xdist groups (with `--dist loadgroup`, as
+counts too: BENCHMARKS-history.md) and Qwen3-Next's (256 of 512: its five layers at 512 are 17.7 GB in bf16; the
+float32 oracle is twice that). They run in XDIST_GROUPS pytest-xdist groups (with `--dist loadgroup`, as
 benchmarks/gpu_suite.sh runs the GPU tests): at most that many at once beside the other GPU tests, so that their
 models (up to 12 GB) fit an H100 together. `bench` on every config is
 tests/test_bench.py's."""
@@ -37,11 +44,13 @@ from safetensors.torch import save_file
 
 from lora_eval import Batch, Engine
 from lora_eval.adapters import load_adapter
-from lora_eval.tasks.bench import ADAPTER_STRENGTH, make_peft_adapters, randomise_weights
+from lora_eval.tasks.bench import ADAPTER_STRENGTH, hf_logprobs, make_peft_adapters, randomise_weights
 from lora_eval.cli import cli
 from lora_eval.models import load_model
 from lora_eval.inputs.references import write_reference
+from lora_eval.runners.graphs import pad_to_bucket
 from tests.builders import HF_MODEL_CLASSES
+from tests.cli_checks import assert_input_error
 from tests.test_deepseek_v3 import PUBLISHED as DEEPSEEK_PUBLISHED
 from tests.test_qwen3_vl_moe import PUBLISHED as QWEN3_VL_PUBLISHED
 
@@ -56,6 +65,8 @@ class Spec:
     layers: int  # the first decoder layers kept
     seconds: float  # the test's time in the GPU suite (H200, 6 processes, 2026-11-27): to share them out evenly
     changes: dict = field(default_factory=dict)  # config changes beyond the layer count (see the module notes)
+    # False: the family refuses --batch-invariant by name (exit 2), which the test then asserts instead of the tables
+    batch_invariant: bool = True
 
 
 SPECS = {
@@ -70,7 +81,12 @@ SPECS = {
     "qwen1.5-moe-a2.7b": Spec("Qwen1.5-MoE-A2.7B.json", 2, 24),  # a shared expert beside 60 routed ones
     "qwen3-vl-30b-a3b": Spec(QWEN3_VL_PUBLISHED, 2, 21),  # the text path of the VL checkpoint
     "qwen3-8b": Spec("Qwen3-8B.json", 2, 18),  # dense
+    # Gated DeltaNet hybrids, one period plus one: 3 linear-attention layers, 1 gated attention, 1 linear (seconds:
+    # estimated, not yet measured in the suite)
+    "qwen3.5-35b-a3b": Spec("Qwen3.5-35B-A3B.json", 5, 100),  # the vision-language checkpoint, as released
+    "qwen3-next-80b-a3b": Spec("Qwen3-Next-80B-A3B-Instruct.json", 5, 100, {"num_experts": 256}),
 }
+HYBRIDS = ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b")  # also checked against transformers + PEFT (module notes)
 XDIST_GROUPS = 3
 
 
@@ -114,9 +130,10 @@ def write_model(spec: Spec, out: Path, seed: int) -> tuple[Path, dict[str, Path]
     config = published_config(spec)
     model_type = config["model_type"]
     hf_config = AutoConfig.for_model(**{**config, "model_type": TRANSFORMERS_TYPE.get(model_type, model_type)})
-    with torch.device(DEVICE):
-        cls = HF_MODEL_CLASSES.get(model_type)
-        hf = (cls(hf_config) if cls else AutoModelForCausalLM.from_config(hf_config)).to(torch.bfloat16)
+    with torch.device(DEVICE):  # made in bf16 (a float32 model first would be twice the size on the device)
+        cls = HF_MODEL_CLASSES.get(model_type, AutoModelForCausalLM)
+        hf = (AutoModelForCausalLM.from_config if cls is AutoModelForCausalLM else cls._from_config)(
+            hf_config, dtype=torch.bfloat16)
     randomise_weights(hf, seed)
     model_dir = out / "model"
     hf.save_pretrained(model_dir)
@@ -228,15 +245,13 @@ def test_published_widths_through_the_cli(family, tmp_path, session_seed):
         reference = root / "reference.parquet"
         frame = write_reference_file(reference, vocab, list(adapters), session_seed)
 
-        # the batch-invariant mode: the same files for any --batch-tokens, with the prefix cache and without
-        for flag, sizes in INVARIANT_TOKENS.items():
-            runs = {tokens: compare(model_dir, adapters, reference, root / f"inv{tokens}{flag}", "--batch-invariant",
-                                    "--batch-tokens", tokens, *filter(None, [flag])) for tokens in sizes}
-            for name in TABLES:
-                first = (runs[sizes[0]] / name).read_bytes()
-                differ = [tokens for tokens, run in runs.items() if (run / name).read_bytes() != first]
-                assert not differ, f"{family}: {name} of --batch-invariant {flag} differs at --batch-tokens {differ} " \
-                                   f"from {sizes[0]}{describe(runs[sizes[0]], runs[differ[0]], frame)}"
+        if SPECS[family].batch_invariant:
+            assert_batch_invariant_tables(model_dir, adapters, reference, root, frame, family)
+        else:  # refused by name, never run with a promise it does not keep
+            result = CliRunner().invoke(cli, ["compare", "--model", str(model_dir), "--reference", str(reference),
+                                              "--out", str(root / "refused"), "--device", DEVICE, "--batch-invariant",
+                                              "--quiet"])
+            assert_input_error(result, "--batch-invariant")
 
         # the default mode, eagerly through the CLI: base rows of mixed batches as with no adapter loaded
         base_ids = set(frame.loc[frame["adapter"].isna(), "sample_id"])
@@ -252,9 +267,106 @@ def test_published_widths_through_the_cli(family, tmp_path, session_seed):
 
         # ... and by graph replay, on the same padded batches
         assert_base_rows_replay_as_without_adapters(model_dir, adapters, frame, family)
+        if family in HYBRIDS:
+            default = compare(model_dir, adapters, reference, root / "default")
+            assert_like_transformers_peft(model_dir, adapters["a"], frame, default, family)
+            assert_replay_equals_eager(model_dir, adapters, frame, family)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         free_device()
+
+
+def assert_batch_invariant_tables(model_dir, adapters, reference, root, frame, family) -> None:
+    """The batch-invariant mode: the same files for any --batch-tokens, with the prefix cache and without."""
+    for flag, sizes in INVARIANT_TOKENS.items():
+        runs = {tokens: compare(model_dir, adapters, reference, root / f"inv{tokens}{flag}", "--batch-invariant",
+                                "--batch-tokens", tokens, *filter(None, [flag])) for tokens in sizes}
+        for name in TABLES:
+            first = (runs[sizes[0]] / name).read_bytes()
+            differ = [tokens for tokens, run in runs.items() if (run / name).read_bytes() != first]
+            assert not differ, f"{family}: {name} of --batch-invariant {flag} differs at --batch-tokens {differ} " \
+                               f"from {sizes[0]}{describe(runs[sizes[0]], runs[differ[0]], frame)}"
+
+
+def transformers_logprobs(model_dir: Path, adapter_dir: Path, rows, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """transformers + PEFT's logprobs of `rows` (reference rows, base or under the PEFT adapter "a") with the model
+    in `dtype` on the GPU: sample_id -> [n-1] float32 on the CPU, one row a forward."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    cls = HF_MODEL_CLASSES.get(model_type, AutoModelForCausalLM)
+    peft = PeftModel.from_pretrained(cls.from_pretrained(model_dir, dtype=dtype, device_map=DEVICE), adapter_dir,
+                                     adapter_name="a").eval()
+    out = {}
+    # float32 in full: cuDNN would run transformers' torch convolution (the Gated DeltaNet conv1d) in TF32 by default
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for row in rows:
+            if row.adapter is None:
+                with peft.disable_adapter():
+                    out[row.sample_id] = hf_logprobs(peft, [row.input_ids], DEVICE)[0]
+            else:
+                out[row.sample_id] = hf_logprobs(peft, [row.input_ids], DEVICE)[0]
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    del peft
+    free_device()
+    return out
+
+
+def assert_like_transformers_peft(model_dir: Path, adapter_dir: Path, frame, run: Path, family: str) -> None:
+    """Our bf16 logprobs from `run` (a compare in the default mode) against transformers + PEFT in float32 (the
+    oracle), beside transformers + PEFT's own bf16 run: the median |d| within 1.5x, k2 below max(1e-3, 10x) (as
+    tests/test_families.py's assert_bf16_like_cpu, transformers' bf16 in the place of our CPU's). Rows: the base
+    model's and the PEFT adapter's (PEFT does not read the Tinker export)."""
+    rows = [r for r in frame.assign(adapter=frame["adapter"].astype(object).where(frame["adapter"].notna(), None))
+            .itertuples() if r.adapter in (None, "a")]
+    assert {r.adapter for r in rows} == {None, "a"}
+    tokens = pd.read_parquet(run / "tokens.parquet").sort_values(["sample_id", "position"])
+    ours = {sid: torch.tensor(group["engine"].to_numpy(), dtype=torch.float32)
+            for sid, group in tokens.groupby("sample_id")}
+    half = transformers_logprobs(model_dir, adapter_dir, rows, torch.bfloat16)
+    oracle = transformers_logprobs(model_dir, adapter_dir, rows, torch.float32)
+    for r in rows:
+        assert ours[r.sample_id].shape == half[r.sample_id].shape == oracle[r.sample_id].shape == (
+            len(r.input_ids) - 1,), r.sample_id
+    d_ours, d_half = (torch.cat([(got[r.sample_id] - oracle[r.sample_id]).abs() for r in rows])
+                      for got in (ours, half))
+    k2_ours, k2_half = (float((d * d / 2).mean()) for d in (d_ours, d_half))
+    median_ours, median_half = d_ours.median().item(), d_half.median().item()
+    print(f"{family} bf16 vs transformers + PEFT float32: ours median |d| {median_ours:.3g}, k2 {k2_ours:.3g}; "
+          f"transformers + PEFT bf16 median |d| {median_half:.3g}, k2 {k2_half:.3g}")
+    assert median_ours <= 1.5 * median_half, (median_ours, median_half)
+    assert k2_ours < max(1e-3, 10 * k2_half), (k2_ours, k2_half)
+
+
+def assert_replay_equals_eager(model_dir, adapters, frame, family) -> None:
+    """A graph replay of mixed batches (base, PEFT and Tinker rows) equals the eager forward of the same padded
+    batch, bit for bit (every position, padding included: tests/test_graphs_gpu.py's check)."""
+    model = load_model(model_dir, dtype=torch.bfloat16, device=DEVICE)
+    engine = Engine(model, [load_adapter(folder, name, model) for name, folder in adapters.items()])
+    samples = list(frame.assign(adapter=frame["adapter"].astype(object).where(frame["adapter"].notna(), None))
+                   .itertuples())
+    for batch in (samples[0:4], samples[12:18]):  # mixed lengths and adapters; an RL group sharing its prompt
+        seqs, tags = [s.input_ids for s in batch], [s.adapter for s in batch]
+        slots = [engine._slot(t, i) for i, t in enumerate(tags)]
+        replays = engine.graph_stats()["replays"]
+        hidden, length = engine._forward(seqs, slots)[:2]
+        assert engine.graph_stats()["replays"] == replays + 1, f"{family}: the batch did not replay a graph"
+        replayed = hidden.clone()
+        rows = replayed.shape[0] // length
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+        padded, token_slots = pad_to_bucket(ids, slots, rows, length)
+        eager = engine._build(padded.to(DEVICE), token_slots.to(DEVICE), max(slots) >= 0)
+        differ = (replayed != eager).any(-1).view(rows, length)  # [rows, length]
+        assert not differ.any(), f"{family}: tags {tags}: {int(differ.sum())} positions of the replay differ from " \
+                                 f"eager, max |d| {(replayed.float() - eager.float()).abs().max().item():.3g}"
+    del engine, model
+    free_device()
 
 
 def assert_base_rows_replay_as_without_adapters(model_dir, adapters, frame, family) -> None:

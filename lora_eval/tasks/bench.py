@@ -19,10 +19,15 @@ run does not land on one case: their ratios to our base come from the same minut
 lists in, float32 logprobs of every next token on the CPU out (hf: forward, log_softmax over the vocabulary,
 gather). FLOPs count useful work only, the same for both systems: 2 x active matmul parameters per token (attention
 and MLP projections, the router, top-k experts, lm_head; the embedding lookup is free) x tokens, plus the adapter's
-active parameters on adapter rows, plus causal attention 2 x 2 x n(n+1)/2 x heads x head_dim per layer per row.
+active parameters on adapter rows, plus causal attention 2 x 2 x n(n+1)/2 x heads x head_dim per attention layer per
+row, plus per linear-attention (Gated DeltaNet) layer and token its short convolution (2 x width x channels) and the
+delta rule's three products with the K x V state per value head (2 x 3 x K x V x heads).
 Every ours row carries the largest |ours - hf| logprob difference on the same batch (like for like).
 A config's quantization_config is not applied (`unquantized`: random weights in the compute dtype, said in the note
 column); `small_config` scales a config's widths down for the tests, which run every published config through here.
+A vision-language config (Qwen3.5's `qwen3_5_moe`) keeps its language model under `text_config`: that is what is cut,
+scaled and benchmarked; transformers builds it as its text model (AutoModelForCausalLM: Qwen3_5MoeForCausalLM), the
+vision tower takes no part in scoring text.
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ ADAPTER_STRENGTH = 0.2  # RMS of a LoRA delta relative to the RMS of the weight 
 SMALL_SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_attention_heads=4, head_dim=16,
                    vocab_size=128, num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
                    experts_per_token=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                   v_head_dim=16, sliding_window=8, shared_expert_intermediate_size=48)
+                   v_head_dim=16, sliding_window=8, shared_expert_intermediate_size=48,
+                   # Gated DeltaNet: 2 key heads serving 4 value heads (the releases' 1:2 grouping), K != V
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # ids into the real vocabulary
 NOTE_SEPARATOR = " | "  # between the notes of one row (the model's, the case's); the CLI prints each once
 
@@ -86,26 +93,36 @@ def parse_batch(text: str) -> tuple[int, int]:
     return int(rows), int(length)
 
 
+def text_config(config: dict) -> dict:
+    """The part of `config` that describes the language model: its `text_config` where it nests one (a
+    vision-language wrapper such as Qwen3.5's), else `config` itself. Edits to it are edits to `config`."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
 def read_model_config(path: str | Path, layers: int | None = None) -> dict:
-    """config.json of a published model, cut to its first `layers` decoder layers."""
+    """config.json of a published model, cut to its first `layers` decoder layers (the per-layer lists with them, so a
+    hybrid keeps its pattern: Qwen3.5's layer_types; Qwen3-Next derives its own from full_attention_interval)."""
     path = Path(path)
     config = read_json(path)
     if not isinstance(config.get("model_type"), str):
         raise InputError(path, f"expected the model's architecture name, found {config.get('model_type')!r}",
                          key="model_type")
-    total = config.get("num_hidden_layers")
+    text = text_config(config)
+    total = text.get("num_hidden_layers")
     if not isinstance(total, int) or total < 1:
-        raise InputError(path, f"expected a positive integer, found {total!r}", key="num_hidden_layers")
+        raise InputError(path, f"expected a positive integer, found {total!r}",
+                         key="num_hidden_layers" if text is config else "text_config.num_hidden_layers")
     if layers is not None:
         if not 1 <= layers <= total:
             raise InputError("--layers", f"{layers} is not within 1..{total} (the config's num_hidden_layers)")
-        config["num_hidden_layers"] = layers
-        if isinstance(config.get("mlp_only_layers"), list):
-            config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if isinstance(i, int) and i < layers]
-        if isinstance(config.get("layer_types"), list):
-            config["layer_types"] = config["layer_types"][:layers]
-        if isinstance(config.get("first_k_dense_replace"), int):  # (DeepSeek-V3's 3 dense layers, cut to 2: both)
-            config["first_k_dense_replace"] = min(config["first_k_dense_replace"], layers)
+        text["num_hidden_layers"] = layers
+        if isinstance(text.get("mlp_only_layers"), list):
+            text["mlp_only_layers"] = [i for i in text["mlp_only_layers"] if isinstance(i, int) and i < layers]
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = text["layer_types"][:layers]
+        if isinstance(text.get("first_k_dense_replace"), int):  # (DeepSeek-V3's 3 dense layers, cut to 2: both)
+            text["first_k_dense_replace"] = min(text["first_k_dense_replace"], layers)
     family_and_args(config, path)  # our own checks (family, sizes) before transformers sees the config
     return config
 
@@ -115,18 +132,20 @@ def small_config(config: dict) -> dict:
     many as the attention heads where the config has equal counts: MLA), router groups at most 4 of which 2 are kept,
     token ids dropped. Family, layer pattern (dense first layers, layer_types), rope and routing rules stay, so bench runs
     it on the code path of the full-size config, in seconds on a CPU (tests/test_bench.py does, for every config in
-    benchmarks/configs/)."""
-    small = dict(config)
-    small.update({key: size for key, size in SMALL_SIZES.items() if config.get(key) is not None})  # (null stays)
-    if "num_key_value_heads" in config:
-        equal = config["num_key_value_heads"] == config.get("num_attention_heads")
+    benchmarks/configs/). A nested language model (`text_config`) is scaled where it is; the rest of a
+    vision-language config (its vision tower's) stays as published: bench builds the text model alone."""
+    text = text_config(config)
+    small = {**text, **{key: size for key, size in SMALL_SIZES.items() if text.get(key) is not None}}  # (null stays)
+    if "num_key_value_heads" in text:
+        equal = text["num_key_value_heads"] == text.get("num_attention_heads")
         small["num_key_value_heads"] = small["num_attention_heads"] if equal else 2
-    if "n_group" in config:
-        small["n_group"] = min(config["n_group"], 4)  # 8 experts: groups of 2 or more
-        small["topk_group"] = min(config.get("topk_group", 1), 2)
+    if "n_group" in text:
+        small["n_group"] = min(text["n_group"], 4)  # 8 experts: groups of 2 or more
+        small["topk_group"] = min(text.get("topk_group", 1), 2)
+    outer = {key: value for key, value in config.items() if key not in TOKEN_IDS}
     for key in TOKEN_IDS:
         small.pop(key, None)
-    return small
+    return small if text is config else {**outer, "text_config": small}
 
 
 def unquantized(config: dict, where, dtype: str) -> tuple[dict, str]:
@@ -145,7 +164,8 @@ def unquantized(config: dict, where, dtype: str) -> tuple[dict, str]:
 
 
 def random_hf_model(config: dict, dtype: torch.dtype, device: torch.device, seed: int):
-    """The transformers model of `config`, built on `device` in `dtype`, with random weights drawn there."""
+    """The transformers model of `config` (AutoModelForCausalLM: of a vision-language config, its text model), built
+    on `device` in `dtype`, with random weights drawn there."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.for_model(**config)
@@ -157,13 +177,16 @@ def random_hf_model(config: dict, dtype: torch.dtype, device: torch.device, seed
 
 @torch.no_grad()
 def randomise_weights(model, seed: int) -> None:
-    """Norm weights ~ 1 + 0.1 N, the embedding ~ N(0, 1), biases ~ 0.1 N, every matrix (and 3D expert stack)
-    ~ N(0, 1/fan_in): activations keep their scale through the layers, routing is spread over the experts."""
+    """Norm weights ~ 1 + 0.1 N (a zero-centred norm's, which computes x * (1 + w), ~ 0.1 N: the same scale), the
+    embedding ~ N(0, 1), biases ~ 0.1 N, every matrix (and 3D expert stack) ~ N(0, 1/fan_in): activations keep their
+    scale through the layers, routing is spread over the experts. A norm is zero-centred where transformers
+    initialised its weight to zeros (Qwen3-Next's and Qwen3.5's, all but Gated DeltaNet's gated norm)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.ndim == 1:
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1, generator=generator)
+            unit = "norm" in name and bool(param.any())
+            param.normal_(1.0 if unit else 0.0, 0.1, generator=generator)
         elif "embed_tokens" in name:
             param.normal_(0.0, 1.0, generator=generator)
         else:
@@ -173,13 +196,14 @@ def randomise_weights(model, seed: int) -> None:
 def peft_config(targets: str, rank: int, explicit: tuple[str, ...] = ()):
     """The LoraConfig of `targets`. PEFT resolves "all-linear" and the MLP names to its own expert
     target_parameters (gate_up at rank 2r: gate and up are each a rank-r projection); `explicit` names the
-    expert parameters directly (one rank-r gate_up), the fallback for PEFT versions that do not."""
+    expert parameters directly (one rank-r gate_up) beside all-linear, the fallback for PEFT versions and families
+    where it does not (PEFT 0.21: gpt-oss, Qwen3.5)."""
     from peft import LoraConfig
 
     if targets == "attn":
         return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION)
     if explicit:
-        return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ATTENTION if targets == "all" else [],
+        return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear" if targets == "all" else [],
                           target_parameters=list(explicit))
     if targets == "all":
         return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
@@ -196,14 +220,20 @@ def make_peft_adapters(hf_model, names: list[str], rank: int, targets: str, seed
     params = [name for name, _ in hf_model.named_parameters()]
     wants_experts = targets != "attn" and any(name.endswith("experts.gate_up_proj") for name in params)
     explicit, note = (), ""
-    model = get_peft_model(hf_model, peft_config(targets, rank), adapter_name=names[0], autocast_adapter_dtype=False)
-    if wants_experts and not _wrapped_experts(model):  # this PEFT left the experts alone: name their parameters
+    try:
+        model = get_peft_model(hf_model, peft_config(targets, rank), adapter_name=names[0],
+                               autocast_adapter_dtype=False)
+    except ValueError:  # the MLP names matched a router that is no Linear (PEFT 0.21, Qwen3.5): named below
+        if not wants_experts:
+            raise
+        model = None
+    if wants_experts and (model is None or not _wrapped_experts(model)):  # PEFT left the experts: name them
         explicit = tuple(p for p in EXPERT_PARAMETERS if any(name.endswith(p) for name in params))
         note = f"PEFT {peft_version} did not resolve the experts from target_modules; the adapters name them in " \
                "target_parameters (gate_up at rank r)"
         try:
-            model = get_peft_model(model.unload(), peft_config(targets, rank, explicit), adapter_name=names[0],
-                                   autocast_adapter_dtype=False)
+            model = get_peft_model(hf_model if model is None else model.unload(), peft_config(targets, rank, explicit),
+                                   adapter_name=names[0], autocast_adapter_dtype=False)
         except (ValueError, TypeError, RuntimeError) as e:
             raise UnsupportedError("--targets", f"PEFT {peft_version} cannot wrap this model's experts with "
                                    f"target_parameters ({str(e).splitlines()[0]})") from None
@@ -281,8 +311,20 @@ def adapter_active_params(adapter, top_k: int) -> int:
 
 
 def attention_flops(args, lengths: list[int]) -> int:
-    """Causal attention (QK^T and PV): 2 matmuls x 2 FLOPs x n(n+1)/2 pairs x heads x head_dim, per layer per row."""
-    return sum(4 * n * (n + 1) // 2 * args.num_heads * args.head_dim * args.num_layers for n in lengths)
+    """Token mixing. Causal attention (QK^T and PV): 2 matmuls x 2 FLOPs x n(n+1)/2 pairs x heads x head_dim, per
+    attention layer per row. A hybrid's linear-attention layers (Gated DeltaNet), per token: the depthwise causal
+    conv, 2 x width x channels, and the delta rule's three products with the [K, V] state of each value head
+    (k^T S, the rank-one update, q^T S), 2 x 3 x K x V x heads."""
+    types = getattr(args, "layer_types", ()) or ()
+    linear = sum(t == "linear_attention" for t in types)
+    flops = sum(4 * n * (n + 1) // 2 * args.num_heads * args.head_dim * (args.num_layers - linear) for n in lengths)
+    if linear:
+        channels = 2 * args.linear_num_key_heads * args.linear_key_head_dim \
+            + args.linear_num_value_heads * args.linear_value_head_dim
+        per_token = 2 * args.conv_kernel * channels \
+            + 6 * args.linear_key_head_dim * args.linear_value_head_dim * args.linear_num_value_heads
+        flops += per_token * linear * sum(lengths)
+    return flops
 
 
 @dataclass
@@ -395,8 +437,8 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
     names = [f"a{i}" for i in range(adapters)]
     plan = case_plan(shapes, names)
     generator = torch.Generator().manual_seed(seed)
-    token_rows = {f"{r}x{n}": torch.randint(0, config["vocab_size"], (r, n), generator=generator).tolist()
-                  for r, n in shapes}
+    vocab = text_config(config)["vocab_size"]
+    token_rows = {f"{r}x{n}": torch.randint(0, vocab, (r, n), generator=generator).tolist() for r, n in shapes}
     systems = (["ours"] + (["ours-eager"] if also_eager else []) + (["ours-invariant"] if also_invariant else [])
                + ([] if skip_hf else ["hf"]))
     bar = progress(len(plan) * len(systems), "bench", "case", quiet)
@@ -417,8 +459,8 @@ def bench(config_path: str | Path, *, layers: int | None = None, adapters: int =
     lora_params = adapter_active_params(loaded[0], ours_model.args.top_k)
     frame = _frame(plan, systems, results, passes, token_rows, ours_model, lora_params, note,
                    NOTE_SEPARATOR.join(n for n in model_notes if n))
-    meta = dict(model=Path(config_path).stem, layers=config["num_hidden_layers"], adapters=adapters, rank=rank,
-                targets=targets, dtype=dtype, device=dev.type, device_name=_device_name(dev), **env,
+    meta = dict(model=Path(config_path).stem, layers=text_config(config)["num_hidden_layers"], adapters=adapters,
+                rank=rank, targets=targets, dtype=dtype, device=dev.type, device_name=_device_name(dev), **env,
                 **_versions(), warmup=warmup, repeat=repeat)
     for key, value in meta.items():
         frame[key] = value
@@ -441,14 +483,15 @@ def bench_config(config_path: str | Path, layers: int | None, targets: str, dtyp
     """The config benchmarked (its first `layers` layers; a quantized one in the compute dtype) and notes on the
     model built from it for the table."""
     config = read_model_config(config_path, layers)
+    kept = text_config(config)["num_hidden_layers"]
     model_notes = []
     if not family_and_args(config, config_path)[1].sparse_layers:
         if targets == "experts":
             raise InputError("--targets", f"'experts' needs a model with MoE layers; {config_path} describes none in "
-                             f"its first {config['num_hidden_layers']} layers")
+                             f"its first {kept} layers")
         moe = family_and_args(read_model_config(config_path), config_path)[1].sparse_layers
         if moe:  # e.g. DeepSeek-V3's first 3 layers are dense: a user asking for 2 would time no expert
-            model_notes.append(f"--layers {config['num_hidden_layers']} keeps no MoE layer (the first is layer "
+            model_notes.append(f"--layers {kept} keeps no MoE layer (the first is layer "
                                f"{moe[0]}): dense layers only; --layers {moe[0] + 1} keeps one")
     config, quant_note = unquantized(config, config_path, dtype)
     return config, [*model_notes, quant_note]
