@@ -74,13 +74,21 @@ def inputs(gen, B, L, hk, hv):
 
 
 def transformers_torch_path():
-    """transformers' torch_chunk_gated_delta_rule itself (unwrapped: with fla installed the name routes to fla)."""
+    """transformers' torch_chunk_gated_delta_rule itself (unwrapped: with fla installed, 5.24 routes the name to
+    fla). q and k go in repeated to the value heads, as transformers 5.17's model repeats them before the call (its
+    function, unlike 5.24's, does not)."""
     try:
         from transformers.models.qwen3_next import modeling_qwen3_next
     except ImportError:
         return None
     fn = inspect.unwrap(modeling_qwen3_next.torch_chunk_gated_delta_rule)
-    return lambda q, k, v, g, beta: fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+
+    def call(q, k, v, g, beta):
+        rep = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)  # [B, L, Hv, K]
+        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+
+    return call
 
 
 def row_invariance(gen, hk, hv, B, L):
@@ -123,20 +131,32 @@ def main():
         if hf is not None:
             ops["gdr transformers"] = lambda: hf(q, k, v, g, beta)
         for op, fn in ops.items():
-            row = dict(shape=name, hk=hk, hv=hv, B=B, L=L, op=op,
-                       eager_ms=median_ms(fn, args.iters, args.warmup, graph=False),
-                       graph_ms=median_ms(fn, args.iters, args.warmup, graph=True))
+            row = dict(shape=name, hk=hk, hv=hv, B=B, L=L, op=op)
+            try:
+                row.update(eager_ms=median_ms(fn, args.iters, args.warmup, graph=False),
+                           graph_ms=median_ms(fn, args.iters, args.warmup, graph=True))
+            except Exception as e:  # noqa: BLE001 - one op failing leaves the others' figures
+                row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
             rows.append(row)
+            write(meta, rows)
+            where = f"{name:34s} {hk:2d}/{hv:2d} heads {B} x {L:4d}  {op:17s}"
+            if "error" in row:
+                print(f"{where} failed: {row['error']}", flush=True)
+                continue
             graph = "n/a" if row["graph_ms"] is None else f"{row['graph_ms']:.3f}"
-            print(f"{name:34s} {hk:2d}/{hv:2d} heads {B} x {L:4d}  {op:17s} eager {row['eager_ms']:.3f} ms  "
-                  f"graph {graph} ms", flush=True)
+            print(f"{where} eager {row['eager_ms']:.3f} ms  graph {graph} ms", flush=True)
         del q, k, v, g, beta, x, weight
         torch.cuda.empty_cache()
     invariance = row_invariance(gen, 16, 32, 8, 300)
     print(f"row alone vs in a batch of 8 x 300, max |d|: {invariance}")
+    write(meta, rows, row_invariance_8x300=invariance)
+
+
+def write(meta, rows, **more):
+    """$OUT/gated_delta.json after every row, so that a run cut short keeps what it measured."""
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gated_delta.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows, row_invariance_8x300=invariance), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, **more), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,24 @@ concatenated q, k, v channels, and the chunked gated delta rule, each with its p
 Layout: the padded [B, L] batch (no cu_seqlens): each row is its own sequence, started from its own state (zeros
 when none is given). A shared prefix is carried as the states at its end: the recurrent state [B, Hv, K, V] float32
 and the conv state [B, W-1, C] (the last W-1 inputs), so that running [:n] then [n:] from those states equals the
-whole run.
+whole run: the convolution and the states bit for bit, the delta rule to float32 rounding (its chunks fall
+elsewhere).
 
-Backends:
-- CPU (and CUDA without fla): the references, float32 inside; `gated_delta_rule_ref` is the same chunked algorithm
-  (64-token chunks) as transformers' `torch_chunk_gated_delta_rule` and equals it bit for bit in float32;
-  `causal_conv1d_ref` is transformers' `causal_conv1d_fn` torch path, bit for bit.
-- CUDA with flash-linear-attention (fla-core 0.6.0, the optional extra `gpu`): its Triton `chunk_gated_delta_rule`
-  (q/k L2 norm in the kernel); see BENCHMARKS-history for the measurement behind the choice (to be filled in).
-- The convolution on CUDA: see BENCHMARKS-history (to be filled in).
+Backends (measured on an H200, bf16, 1 x 4,096 tokens at Qwen3.5-35B-A3B / Qwen3-Next-80B widths: 16 query/key
+heads, 32 value heads, K = V = 128, 8,192 conv channels, W = 4; BENCHMARKS-history section 20):
+- CPU, and CUDA without fla: the references, float32 inside. `gated_delta_rule_ref` is the chunked algorithm
+  (64-token chunks) of transformers' `torch_chunk_gated_delta_rule` and equals it bit for bit in float32;
+  `causal_conv1d_ref` is transformers' `causal_conv1d_fn` torch path: the convolution bit for bit, the SiLU too
+  except in transformers' own scalar tail (its docstring).
+- CUDA, the delta rule: flash-linear-attention (fla-core 0.6.0, the optional extra `gpu`), its Triton
+  `chunk_gated_delta_rule`: 0.709 ms eager, 0.268 ms replayed from a CUDA graph, against 9.81 / 4.88 ms for the
+  torch reference, which runs its chunks one after another (a state read, a state update and their small matmuls
+  per 64 tokens, after two batched triangular solves). Issue 44's 0.69 ms for transformers' torch path (same
+  algorithm as the reference) did not reproduce. fla in bf16 is within 6e-3 of the float32 reference (max |d| over
+  max |ref|), gives a row the same bits alone or in a batch, and replays from a graph bit for bit.
+- CUDA, the convolution: fla's Triton causal conv1d (float32 sums, SiLU fused, one rounding, on the [B, L, C]
+  layout as it comes): 0.196 ms eager, 0.058 ms replayed, against 0.891 / 0.871 ms for F.conv1d, which needs
+  [B, C, L] and back and a separate SiLU.
 fla is imported on first use, so this module imports without it.
 """
 
@@ -127,7 +136,14 @@ def causal_conv1d_ref(x, weight, state=None):
     """Depthwise causal convolution + SiLU, as transformers' Qwen3-Next `causal_conv1d_fn` (activation silu) computes
     it: x [B, L, C], weight [C, W] (the checkpoint's conv1d.weight [C, 1, W] squeezed), state [B, W-1, C] or None
     (the W-1 inputs before position 0; zeros when None) -> (y [B, L, C] in x's dtype, new state [B, W-1, C]: the
-    last W-1 inputs of state ++ x, in x's dtype). Computed in weight's dtype, as transformers does."""
+    last W-1 inputs of state ++ x, in x's dtype). Computed in weight's dtype, as transformers does.
+
+    The convolution is transformers' call, bit for bit. The SiLU runs on the contiguous [B, L, C] output: torch's CPU
+    SiLU rounds differently (1-2 ulp) in its vectorised body and its scalar tail, so on transformers' [B, C, L] slice
+    a value's bits depend on its place in the row (the last L mod 32 positions on AVX-512), and a sequence continued
+    from a state would differ from the whole run there. Over [B, L, C] with C a multiple of 32 (every published
+    width) no element falls in a tail: a position's bits do not depend on where the run started, and equal
+    transformers' wherever its own SiLU took the vectorised path."""
     B, L, C = x.shape
     W = weight.shape[1]
     xt = x.transpose(1, 2).to(weight.dtype)  # [B, C, L]
@@ -136,7 +152,7 @@ def causal_conv1d_ref(x, weight, state=None):
     else:
         xt = torch.cat([state.transpose(1, 2).to(weight.dtype), xt], dim=2)  # [B, C, W-1+L]
         y = F.conv1d(xt, weight.unsqueeze(1), groups=C)  # [B, C, L]
-    y = F.silu(y).to(x.dtype).transpose(1, 2).contiguous()  # [B, L, C]
+    y = F.silu(y.transpose(1, 2).contiguous()).to(x.dtype)  # [B, L, C]
     return y, _conv_state_after(x, state, W)
 
 
@@ -155,8 +171,8 @@ def causal_conv1d_fla(x, weight, state=None):
 
 
 def causal_conv1d(x, weight, state=None):
-    """Same contract as causal_conv1d_ref; on CUDA the faster of fla's Triton convolution and the torch one (by
-    measurement, BENCHMARKS-history), else the ref."""
+    """Same contract as causal_conv1d_ref; on CUDA through fla's Triton convolution (4.5x F.conv1d's speed eager,
+    15x replayed: the module's docstring) when it is importable, else the ref."""
     if x.is_cuda and _fla() is not None:
         return causal_conv1d_fla(x, weight, state)
     return causal_conv1d_ref(x, weight, state)

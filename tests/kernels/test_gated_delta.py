@@ -86,43 +86,45 @@ def test_reference_split_equals_whole(seed, n):
     assert _rel(end, whole_state) < 3e-5
 
 
+def _within_silu_rounding(a, b):
+    """Equal up to torch's CPU SiLU, which rounds differently in its vectorised loop and its scalar tail (1-2 ulp of
+    a's dtype; up to 2.2e-7 relative in float32 over 200 seeds)."""
+    return torch.allclose(a.float(), b.float(), rtol=4 * torch.finfo(a.dtype).eps, atol=1e-30)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_reference_equals_transformers(seed, dtype):
-    """Bit for bit against transformers' causal_conv1d_fn (torch path, silu) on [B, C, L]; the new state is the last
-    W-1 inputs."""
+@pytest.mark.parametrize("L", [64, 37])
+def test_conv_reference_equals_transformers(seed, dtype, L):
+    """Against transformers' causal_conv1d_fn (torch path, silu) on [B, C, L]: bit for bit where its SiLU runs
+    vectorised (every position when L is a multiple of 32; the first 32 of 37), within SiLU's rounding in its scalar
+    tail (the rest); the new state is the last W-1 inputs."""
     gen = torch.Generator().manual_seed(seed)
-    B, L, C, W = 2, 37, 24, 4  # L past one AVX-512 step of torch's SiLU loop (32 floats), and not a multiple of it
+    B, C, W = 2, 32, 4
     x = torch.randn(B, L, C, generator=gen).to(dtype)  # [B, L, C]
     weight = (0.5 * torch.randn(C, W, generator=gen)).to(dtype)  # [C, W]
     y, state = causal_conv1d_ref(x, weight)
     hf = _hf("causal_conv1d_fn")(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)  # [B, L, C]
-    assert y.dtype == dtype and torch.equal(y, hf)
+    assert y.dtype == dtype and torch.equal(y[:, :32], hf[:, :32])
+    assert torch.equal(y, hf) if L % 32 == 0 else _within_silu_rounding(y, hf)
     assert torch.equal(state, x[:, -(W - 1):])
     assert torch.equal(causal_conv1d(x, weight)[0], y)  # the CPU dispatch is the reference
-
-
-def _within_silu_rounding(a, b):
-    """Equal up to torch's CPU SiLU, which rounds differently in its vectorised loop and its scalar tail (a row's
-    last elements): a value's bits depend on its place in the row, not only on the value (1-2 ulps)."""
-    return torch.allclose(a, b, rtol=2 ** -21, atol=1e-30)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 6, 30, 35, 36])
 def test_conv_split_equals_whole(seed, n):
     """[:n] from a prefix's state, then [n:] from the state it returns, equals the whole sequence run from zeros
-    (transformers' call) to within SiLU's rounding, the states bit for bit; also where a part is shorter than the
-    state (W-1 = 3); zeros as the state equal no state."""
+    (transformers' call) bit for bit, output and states; also where a part is shorter than the state (W-1 = 3), and
+    zeros as the state equal no state."""
     gen = torch.Generator().manual_seed(seed)
-    B, L, C, W = 2, 37, 24, 4
+    B, L, C, W = 2, 37, 32, 4
     x, weight = torch.randn(B, L, C, generator=gen), 0.5 * torch.randn(C, W, generator=gen)
     before = torch.randn(B, W - 1, C, generator=gen)  # a prefix's state: its last W-1 inputs
     whole, whole_state = causal_conv1d_ref(torch.cat([before, x], dim=1), weight)
     first, mid = causal_conv1d_ref(x[:, :n], weight, before)
     second, end = causal_conv1d_ref(x[:, n:], weight, mid)
-    assert _within_silu_rounding(torch.cat([first, second], dim=1), whole[:, W - 1:])
+    assert torch.equal(torch.cat([first, second], dim=1), whole[:, W - 1:])
     assert torch.equal(end, whole_state) and torch.equal(mid, torch.cat([before, x], dim=1)[:, n:n + W - 1])
-    zeros = causal_conv1d_ref(x, weight, torch.zeros(B, W - 1, C))
-    assert _within_silu_rounding(zeros[0], causal_conv1d_ref(x, weight)[0])
+    assert torch.equal(causal_conv1d_ref(x, weight, torch.zeros(B, W - 1, C))[0], causal_conv1d_ref(x, weight)[0])
 
 
 # ---- GPU: flash-linear-attention at the published widths (Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B: 16 query/key
