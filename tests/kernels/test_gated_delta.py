@@ -16,9 +16,6 @@ import torch.nn.functional as F
 from lora_eval.kernels.gated_delta import (_fla, causal_conv1d, causal_conv1d_fla, causal_conv1d_ref,
                                            gated_delta_rule, gated_delta_rule_ref)
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 def _hf(name):
     """transformers' torch function itself (unwrapped: with fla installed, transformers routes the name to fla)."""
     from transformers.models.qwen3_next import modeling_qwen3_next
