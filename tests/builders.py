@@ -818,12 +818,12 @@ def save_random_hybrid(out_dir, family: str, *, seed: int, **overrides) -> Path:
     """``save_random_model`` of qwen3_next / qwen3_5_moe made well-conditioned enough for 1e-5 comparisons of rows
     up to 150 tokens with adapters: gains 1, rms_norm_eps 1e-2 and Gated DeltaNet decay rates exp(A_log) near 0.1.
     With the defaults (rates near 1, eps 1e-6), float32 noise of 1 ulp on the embeddings moved transformers' own
-    logprobs on 17-150-token rows by 2.5e-5 on qwen3_next and 5.4e-5 on qwen3_5_moe (medians over 8 seeds; maxima
-    5.1e-5, 9.6e-5), with these settings by 2.9e-6 on both (maxima 4.3e-6): transformers' chunked delta rule sums
-    log decays over 64-token chunks (to about -45, an exponent off by ~4e-6 in float32), and the gated RMSNorm
-    rescales heads whose output is 100 times below the median (the larger eps damps those). Two implementations that
-    round a LoRA differently differed by up to 4e-5 on the default models: that noise, not an error; here by at most
-    4.3e-6 (184 comparisons of tests/test_qwen3_next_adapters.py).
+    logprobs on 17-150-token rows by 2.3e-5 on qwen3_next and 1.6e-5 on qwen3_5_moe (medians over 8 seeds; maxima
+    3.4e-5, 5.9e-5), with these settings by 1.9e-6 and 2.4e-6 (maxima 2.4e-6, 3.8e-6): transformers' chunked delta
+    rule sums log decays over 64-token chunks (to about -45, an exponent off by ~4e-6 in float32), and the gated
+    RMSNorm rescales heads whose output is 100 times below the median (the larger eps damps those). Two
+    implementations that round a LoRA differently differed by up to 4e-5 on such models: that noise, not an error;
+    here by at most 4.3e-6 (368 comparisons of tests/test_qwen3_next_adapters.py, 16 seeds).
     """
     from safetensors.torch import load_file
 

@@ -296,26 +296,32 @@ def test_split_qkv_lora_matches_merged_oracle(case, models, ours, base_hf, tmp_p
     for t in adapter.targets:
         assert t["scaling"] == pytest.approx(kwargs.get("alpha", 8) / t["rank"])
     A, B = adapter.dense["model.layers.0.linear_attn.in_proj_qkv"]  # [R, H], [2*Hk*K + Hv*V, R]
-    assert A.shape == (sum(ranks.values()), 32) and B.shape == (64, sum(ranks.values()))
-    if "k" not in parts:  # the keys' rows (16-31) take nothing
-        assert not B[16:32].any() and B[:16].any() and B[32:].any()
+    key_rows = model.args.linear_num_key_heads * model.args.linear_key_head_dim  # Hk*K: the q part's, the k part's
+    assert A.shape == (sum(ranks.values()), model.args.hidden_size)
+    assert B.shape == (2 * key_rows + model.args.linear_num_value_heads * model.args.linear_value_head_dim, A.shape[0])
+    if "k" not in parts:  # the keys' rows take nothing
+        assert not B[key_rows:2 * key_rows].any() and B[:key_rows].any() and B[2 * key_rows:].any()
 
 
 def test_split_qkv_parts_that_do_not_fit_are_refused_by_key(models, ours, tmp_path, seed):
-    """q and k parts have Hk*K = 16 rows, v has Hv*V = 32: a k LoRA B of v's rows is refused naming its key; so is
-    LoRA on both the fused projection and its parts, and split parts on qwen3_next (fused in_proj_qkvz, no parts)."""
+    """q and k parts have Hk*K rows, v has Hv*V = 2*Hk*K here: a k LoRA B of v's rows is refused naming its key; so
+    is LoRA on both the fused projection and its parts, and split parts on qwen3_next (fused in_proj_qkvz, no parts)."""
+    args = ours["qwen3_5_moe"].args
+    key_rows, value_rows = (args.linear_num_key_heads * args.linear_key_head_dim,
+                            args.linear_num_value_heads * args.linear_value_head_dim)
+    assert value_rows != key_rows
     adapter_dir = write_split_qkv_adapter(models["qwen3_5_moe"], tmp_path / "split", seed=seed).adapter_dir
     path = adapter_dir / "adapter_model.safetensors"
     tensors = load_file(str(path))
     bad_key = "base_model.model.model.layers.1.linear_attn.in_proj_k.lora_B.weight"
     save_file({**tensors, bad_key: tensors[bad_key.replace("in_proj_k", "in_proj_v")].clone()}, str(path))
-    with pytest.raises(InputError, match=r"shape \[32, 4\], expected \[16, 4\]") as info:
+    with pytest.raises(InputError, match=rf"shape \[{value_rows}, 4\], expected \[{key_rows}, 4\]") as info:
         load_adapter(adapter_dir, "split", ours["qwen3_5_moe"])
     assert info.value.key == bad_key and not isinstance(info.value, UnsupportedError)
 
     fused = "base_model.model.model.layers.1.linear_attn.in_proj_qkv"
-    save_file({**tensors, f"{fused}.lora_A.weight": torch.randn(4, 32), f"{fused}.lora_B.weight": torch.randn(64, 4)},
-              str(path))
+    save_file({**tensors, f"{fused}.lora_A.weight": torch.randn(4, args.hidden_size),
+               f"{fused}.lora_B.weight": torch.randn(2 * key_rows + value_rows, 4)}, str(path))
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     (adapter_dir / "adapter_config.json").write_text(json.dumps({**config, "target_modules": "all-linear"}))
     with pytest.raises(InputError, match="LoRA on both model.layers.1.linear_attn.in_proj_qkv and its split parts"):
@@ -353,8 +359,8 @@ def test_conv1d_lora_weights_are_refused_by_key(models, ours, tmp_path, seed):
                                            target_modules=["out_proj"])
     path = adapter_dir / "adapter_model.safetensors"
     key = "base_model.model.model.layers.2.linear_attn.conv1d.lora_A.weight"
-    save_file({**load_file(str(path)), key: torch.randn(2, 1, 4), key.replace("lora_A", "lora_B"): torch.randn(64, 2)},
-              str(path))
+    save_file({**load_file(str(path)), key: torch.randn(2, 1, 4), key.replace("lora_A", "lora_B"): torch.randn(8, 2)},
+              str(path))  # (any shapes: refused by name before shapes are checked)
     with pytest.raises(UnsupportedError, match=r"LoRA on model\.layers\.2\.linear_attn\.conv1d \(a depthwise") as info:
         load_adapter(adapter_dir, "a", ours["qwen3_next"])
     assert info.value.key == key
