@@ -823,7 +823,7 @@ def save_random_hybrid(out_dir, family: str, *, seed: int, **overrides) -> Path:
     rule sums log decays over 64-token chunks (to about -45, an exponent off by ~4e-6 in float32), and the gated
     RMSNorm rescales heads whose output is 100 times below the median (the larger eps damps those). Two
     implementations that round a LoRA differently differed by up to 4e-5 on such models: that noise, not an error;
-    here by at most 4.3e-6 (368 comparisons of tests/test_qwen3_next_adapters.py, 16 seeds).
+    here by at most 4.3e-6 (552 comparisons of tests/test_qwen3_next_adapters.py, 24 seeds).
     """
     from safetensors.torch import load_file
 
