@@ -814,3 +814,73 @@ FAMILIES.update({
     "qwen3_5_moe": (tiny_qwen3_5_moe_config, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),
 })
 HF_MODEL_CLASSES["qwen3_5_moe"] = Qwen3_5MoeForConditionalGeneration
+
+
+# --- adapters on the Gated DeltaNet hybrids ----------------------------------------------------------------------
+
+# save_random_hybrid's shift of the drawn A_log (~N(0, 0.1)): decay rates exp(A_log) near 0.1 instead of 1 (a state
+# remembers ~10 tokens, not ~2); and its norms' eps (see there)
+HYBRID_LOG_DECAY_SHIFT = -2.3
+HYBRID_RMS_NORM_EPS = 1e-2
+
+
+def save_random_hybrid(out_dir, family: str, *, seed: int, **overrides) -> Path:
+    """``save_random_model`` of qwen3_next / qwen3_5_moe made well-conditioned enough for 1e-5 comparisons of rows
+    up to 150 tokens with adapters: gains 1, rms_norm_eps 1e-2 and Gated DeltaNet decay rates exp(A_log) near 0.1.
+    With the defaults (rates near 1, eps 1e-6), float32 noise of 1 ulp on the embeddings moved transformers' own
+    logprobs on 17-150-token rows by 2.3e-5 on qwen3_next and 1.6e-5 on qwen3_5_moe (medians over 8 seeds; maxima
+    3.4e-5, 5.9e-5), with these settings by 1.9e-6 and 2.4e-6 (maxima 2.4e-6, 3.8e-6): transformers' chunked delta
+    rule sums log decays over 64-token chunks (to about -45, an exponent off by ~4e-6 in float32), and the gated
+    RMSNorm rescales heads whose output is 100 times below the median (the larger eps damps those). Two
+    implementations that round a LoRA differently differed by up to 4e-5 on such models: that noise, not an error;
+    here by at most 4.3e-6 (552 comparisons of tests/test_qwen3_next_adapters.py, 24 seeds).
+    """
+    from safetensors.torch import load_file
+
+    out_dir = save_random_model(out_dir, family, seed=seed, router_gain=1.0, lm_head_gain=1.0,
+                                rms_norm_eps=HYBRID_RMS_NORM_EPS, **overrides)
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for key in tensors:
+        if key.endswith(".A_log"):
+            tensors[key] += HYBRID_LOG_DECAY_SHIFT
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return out_dir
+
+
+def write_split_qkv_adapter(model_dir, out_dir, *, seed: int, parts: str = "qkv", rank: int = 4, alpha: float = 8,
+                            rank_pattern: dict | None = None, layout: str = "text",
+                            target_modules=None) -> MergedOracle:
+    """A Tinker-style export for a Qwen3.5 checkpoint: LoRA on `linear_attn.in_proj_q` / `in_proj_k` / `in_proj_v`
+    (those in ``parts``; A [r, H], B [rows of the part, r]) of every linear-attention layer, where the checkpoint
+    fuses them into `in_proj_qkv` (rows: q = Hk*K, k = Hk*K, v = Hv*V). Keys in the text model's layout (``layout``
+    "text": `base_model.model.model.layers.{i}`, as Tinker writes them) or the vision-language model's ("vl"); the
+    ranks from ``rank_pattern`` (keyed `in_proj_q`, ...) else ``rank``. The oracle is
+    Qwen3_5MoeForConditionalGeneration with each part's delta merged into its rows of in_proj_qkv."""
+    model = load_hf_model(model_dir)
+    text = model.config.text_config
+    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+    rows = {"q": key_dim, "k": key_dim, "v": text.linear_num_value_heads * text.linear_value_head_dim}
+    prefix = "base_model.model.model." + ("language_model." if layout == "vl" else "")
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.language_model.layers):
+            if not hasattr(layer, "linear_attn"):  # a full-attention layer
+                continue
+            weight, start = layer.linear_attn.in_proj_qkv.weight, 0  # [2*Hk*K + Hv*V, H]
+            for part in "qkv":
+                if part in parts:
+                    r = (rank_pattern or {}).get(f"in_proj_{part}", rank)
+                    a, b = _draw_factor_pair(1, 1, rows[part], weight.shape[1], r, alpha / r, generator)
+                    key = f"{prefix}layers.{i}.linear_attn.in_proj_{part}"
+                    tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a[0], b[0]
+                    weight[start:start + rows[part]] += (alpha / r) * b[0] @ a[0]
+                start += rows[part]
+    config = _adapter_config(model_dir, rank, alpha, rank_pattern=rank_pattern or {},
+                             target_modules=target_modules or [f"in_proj_{part}" for part in parts])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return MergedOracle(model=model, adapter_dir=out_dir)

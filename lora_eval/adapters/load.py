@@ -11,6 +11,9 @@ Expert layouts read (keys after `base_model.model.`, `{x}` = `model.layers.{i}.m
   target_parameters (PEFT ParamWrapper; gate_up inner, down outer; told apart by shape)
                    {x}.base_layer.lora_A.weight [r*E, H] (expert-major), lora_B [2I, r*E] (rank-major)
                    {x}.lora_A.weight [r*E, I], {x}.lora_B.weight [H, r*E]
+Split projections: LoRA on parts of a projection the checkpoint fuses (Tinker's Qwen3.5 `linear_attn.in_proj_q`,
+`in_proj_k`, `in_proj_v`, each A [r, H], B [part rows, r], for the fused `in_proj_qkv`) becomes one LoRA of the fused
+projection, A stacked, B block-diagonal (a family's adapter_split_projections says which parts, in row order).
 A family may rename module paths of older adapters first (its ADAPTER_RENAMES: Mixtral's block_sparse_moe -> mlp),
 and may name parts of the trainer's model that ours leaves out (its ADAPTER_SKIPPED_PREFIXES of keys and
 ADAPTER_SKIPPED_MODULES of target_modules entries: Qwen3-VL-MoE's vision tower): their LoRA is skipped
@@ -35,10 +38,11 @@ from ..models import FAMILIES
 from ..models.checkpoint import TensorFiles
 from ..models.layers import deinterleave_gate_up
 from .config import AdapterConfig
-from .targets import EXPERT_PROJ, EXPERT_PROJ_3D, Sites, kind_of, layer_of, resolve_targets
+from .targets import EXPERT_PROJ, EXPERT_PROJ_3D, Sites, kind_of, layer_of, peft_view, resolve_targets
 
 PREFIX = "base_model.model."
 GATE_UP_LAYOUTS = ("interleaved", "concatenated")  # row orders of a fused gate_up LoRA B
+SPLIT_LAYOUT = "split projection parts"  # Adapter.layouts: LoRA on parts of a fused projection (Tinker's in_proj_q)
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<ab>[AB])$")
 OVERRIDE_KEY = re.compile(r"^(?P<module>.+?)(?P<copy>\.modules_to_save\.[^.]+|\.base_layer)?\.(?P<param>weight|bias)$")
@@ -144,8 +148,8 @@ def load_adapter(adapter_dir: str | Path, name: str, model, gate_up_layout: str 
     # module paths of older transformers -> ours, per family (e.g. Mixtral's block_sparse_moe -> mlp)
     family = FAMILIES.get(model.args.model_type)
     renames = getattr(family, "ADAPTER_RENAMES", ())
-    config = _renamed_config(AdapterConfig.read(adapter_dir), renames)
     sites = Sites.of(model)
+    config = peft_view(_renamed_config(AdapterConfig.read(adapter_dir), renames), sites)
     targeted = resolve_targets(config, sites, outside=getattr(family, "ADAPTER_SKIPPED_MODULES", ()))
     tensors, wfile = read_adapter_tensors(adapter_dir)
     adapter = Adapter(name=name, path=adapter_dir, config=config, weights_file=wfile)
@@ -191,6 +195,8 @@ class _Parser:
         self.pairs: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}  # (module, family) -> A/B
         self.expert_parts: dict[str, dict[str, tuple]] = {}  # expert site -> part name -> (A, B)
         self.per_expert: dict[tuple[str, str], dict[int, tuple]] = {}  # (site, part) -> e -> (A, B, scaling)
+        self.split_parts = sites.split_parts()  # part site -> fused site
+        self.split_given: dict[str, dict[str, tuple]] = {}  # fused site -> part site -> (a_key, A, b_key, B)
 
     def error(self, key, problem):
         return InputError(self.wfile, problem, key=key)
@@ -229,6 +235,9 @@ class _Parser:
                     raise self.error(present_key.replace(f"_{other_side}", f"_{side}"),
                                      f"missing: lora_{side} is needed beside {present_key}")
             (a_key, A), (b_key, B) = ab["A"], ab["B"]
+            if module in self.sites.unsupported_modules:
+                raise UnsupportedError(self.wfile, f"LoRA on {module} ({self.sites.unsupported_modules[module]}) is "
+                                       "not supported", key=a_key)
             if self._is_known(module) and not self._is_targeted(module):
                 raise self.error(a_key, "LoRA weights for a module that adapter_config.json does not target "
                                  "(target_modules / target_parameters / layers_to_transform / layers_pattern / "
@@ -237,28 +246,41 @@ class _Parser:
                 self._embedding(module, a_key, A, b_key, B)
             elif module in self.sites.linear:
                 self._dense(module, a_key, A, b_key, B)
+            elif module in self.split_parts:
+                self.split_given.setdefault(self.split_parts[module], {})[module] = (a_key, A, b_key, B)
             else:
                 self._expert(module, a_key, A, b_key, B)
+        self._join_split()
         self._join_experts()
 
     def _expert_site(self, module: str) -> str | None:
         return next((s for s in self.sites.experts if module == s or module.startswith(s + ".")), None)
 
     def _is_known(self, module: str) -> bool:
-        return module in self.sites.linear or module in self.sites.embedding or self._expert_site(module) is not None
+        return (module in self.sites.linear or module in self.sites.embedding or module in self.split_parts
+                or self._expert_site(module) is not None)
 
     def _is_targeted(self, module: str) -> bool:
-        """Whether resolve_targets chose the module: by its own name (a per-expert or 3D projection too), as the
-        experts module as a whole, or (PEFT target_parameters keys, `experts` / `experts.base_layer`) through one of
-        its parameters: which one is told by the shapes, and checked then (_param_wrapper)."""
+        """Whether resolve_targets chose the module: by its own name (a per-expert or 3D projection too; a split
+        part, or the projection it is part of), as the experts module as a whole, or through one of the experts'
+        parameters: a per-expert or 3D projection through the one it is part of (PEFT converts such keys into its
+        target_parameters LoRA), PEFT's own keys (`experts` / `experts.base_layer`) through either, told by the
+        shapes and checked then (_param_wrapper)."""
         if module in self.targeted or f"{module}.weight" in self.targeted:
             return True
+        if module in self.split_parts:
+            return self.split_parts[module] in self.targeted
         site = self._expert_site(module)
         if site is None:
             return False
         if site in self.targeted:
             return True
-        return bool(re.fullmatch(r"(\.base_layer)*", module[len(site):])) and any(
+        rest = module[len(site):]
+        projection = re.fullmatch(r"(?:\.\d+)?\.(\w+)", rest)
+        if projection and projection[1] in EXPERT_PROJ_3D:
+            param = "down_proj" if EXPERT_PROJ_3D[projection[1]] == "down" else "gate_up_proj"
+            return f"{site}.{param}" in self.targeted
+        return bool(re.fullmatch(r"(\.base_layer)*", rest)) and any(
             f"{site}.{param}" in self.targeted for param in ("gate_up_proj", "down_proj"))
 
     # ---- dense targets -------------------------------------------------------------------------------
@@ -271,6 +293,34 @@ class _Parser:
         scaling = self._scaling(a_key, param_key if targeted_as_param else module, r)
         self.adapter.dense[module] = (A, self._fold(b_key, B, scaling))
         self._report(module, r, scaling, A.numel() + B.numel(), "dense")
+
+    def _join_split(self):
+        """LoRA on parts of a projection that trainers split (Sites.split: Tinker's in_proj_q / k / v of the fused
+        in_proj_qkv) as one LoRA of the fused projection: the parts' A stacked [R, in], B block-diagonal [out, R] (a
+        part's rows see only its own rank), each part's scaling folded in; a part without LoRA adds nothing."""
+        for fused, given in self.split_given.items():
+            if fused in self.adapter.dense:
+                raise self.error(next(iter(given.values()))[0], f"LoRA on both {fused} and its split parts")
+            lin = self.sites.linear[fused]
+            factors, blocks, row = [], [], 0
+            for part, rows in self.sites.split[fused]:
+                if part in given:
+                    a_key, A, b_key, B = given[part]
+                    r = self._check(a_key, A, (None, lin.in_features), rank_dim=0)
+                    self._check(b_key, B, (rows, r))
+                    scaling = self._scaling(a_key, part, r)
+                    factors.append(A)
+                    blocks.append((row, self._fold(b_key, B, scaling)))  # [rows, r] at rows row..row+rows
+                    self._report(part, r, scaling, A.numel() + B.numel(), "dense")
+                row += rows
+            A = torch.cat(factors)  # [R, in]
+            B = torch.zeros(lin.out_features, A.shape[0])  # [out, R]
+            col = 0
+            for start, part_B in blocks:
+                B[start:start + part_B.shape[0], col:col + part_B.shape[1]] = part_B
+                col += part_B.shape[1]
+            self.adapter.dense[fused] = (A, B)
+            self.adapter.layouts.add(SPLIT_LAYOUT)
 
     def _embedding(self, module, a_key, A, b_key, B):
         if module not in self.sites.embedding:

@@ -65,6 +65,20 @@ ADAPTER_SKIPPED_PREFIXES = (VISION_PREFIX,)
 # names of the vision tower's Linear modules that PEFT writes into target_modules (all-linear on the full model)
 ADAPTER_SKIPPED_MODULES = ("qkv", "proj", "attn.qkv", "attn.proj", "linear_fc1", "linear_fc2", "mlp.linear_fc1",
                            "mlp.linear_fc2")
+# How PEFT 0.21 reads target_modules on these models (adapters/targets.py peft_view). transformers' routers are no
+# nn.Linear, so "all-linear" leaves them out. PEFT converts qwen3_next's target_modules as transformers 5 fused its
+# MoE (peft.utils.transformers_weight_conversion, as for Qwen2-MoE): the names gate_proj / up_proj / down_proj and
+# gate become target_parameters of the fused experts and of the router, so "all-linear" there reaches experts and
+# router but neither the shared expert's nor a dense MLP's projections (and a list naming shared_expert.gate_proj
+# reaches the routed experts). qwen3_5_moe has no such conversion: its "all-linear" reaches neither routed experts
+# nor router.
+ADAPTER_NOT_NN_LINEAR = ("mlp.gate",)
+ADAPTER_PEFT_CONVERTED = ("qwen3_next",)
+# What takes no LoRA, refused by name. PEFT 0.21 refuses these too: the depthwise conv unless r is a multiple of its
+# channels (then as a grouped-conv LoRA, which lora-eval does not compute), and A_log / dt_bias because its
+# ParamWrapper takes only 2-D and 3-D parameters.
+ADAPTER_UNSUPPORTED = {"conv1d": "a depthwise convolution", "A_log": "a 1-D per-head decay parameter",
+                       "dt_bias": "a 1-D per-head decay bias"}
 
 __all__ = ["MODEL_TYPES", "ModelArgs", "CausalLM", "load_weights"]
 
@@ -291,3 +305,16 @@ def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.devic
     them and else under the vision-language model's `model.language_model.` (see the module notes)."""
     wrapped = any(key.startswith(VL_PREFIX) for key in files.keys())
     return qwen3.load_weights(model, files, dtype, device, renames=(("model.", VL_PREFIX),) if wrapped else ())
+
+
+def adapter_split_projections(model: CausalLM) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The projections that trainers split where the checkpoint fuses them: Tinker's Qwen3.5 exports carry LoRA on
+    `linear_attn.in_proj_q`, `in_proj_k`, `in_proj_v` for the fused `in_proj_qkv` (rows: queries, keys, values).
+    {fused site: ((part site, rows), ...) in row order}; adapters/load.py loads the parts as one LoRA of it."""
+    found = {}
+    for layer in model.model.layers:
+        if layer.linear and layer.linear_attn.split:
+            site = layer.linear_attn.in_proj_qkv.site
+            parts = (site.removesuffix("_qkv") + f"_{part}" for part in "qkv")
+            found[site] = tuple(zip(parts, layer.linear_attn.qkv_split))
+    return found
