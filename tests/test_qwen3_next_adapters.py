@@ -99,12 +99,6 @@ PEFT_CASES = {
 }
 
 
-# A known defect: GatedDeltaNet.forward calls Forward.gated_norm on [T*Hv, V] rows, where an adapter's saved norm weight
-# replaces rows chosen per token (called on [T, Hv, V] it is right, checked by hand); strict, so that the fix shows
-GATED_NORM = pytest.mark.xfail(strict=True, reason="modules_to_save on linear_attn.norm: Forward.gated_norm's rows "
-                               "are token x head, the override's rows tokens")
-
-
 # --- fixtures and helpers --------------------------------------------------------------------------
 
 
@@ -184,7 +178,7 @@ def peft_in_our_names(peft_model) -> dict:
 # --- 1. adapters made by PEFT -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=GATED_NORM) if "gated-norm" in c else c for c in PEFT_CASES])
+@pytest.mark.parametrize("case", list(PEFT_CASES))
 def test_peft_adapter_matches_peft(case, models, ours, base_hf, tmp_path, seed):
     layout, kwargs = PEFT_CASES[case]
     family = LAYOUTS[layout][0]

@@ -276,7 +276,8 @@ class Forward:
 
     def gated_norm(self, module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The gated RMSNorm of Gated DeltaNet's output: norm(x) * silu(gate) with the product in float32, rounded
-        to x's dtype once (transformers' Qwen3NextRMSNormGated): x, gate [N, D] -> [N, D]."""
+        to x's dtype once (transformers' Qwen3NextRMSNormGated): x, gate [T, heads, D] -> [T, heads, D], each head
+        normed over D; rows are tokens, as for every op (an adapter's own norm weight replaces a token's rows)."""
         return (self.norm(module, x) * self.pointwise(F.silu, gate.float())).to(x.dtype)
 
     def pointwise(self, fn, *xs: torch.Tensor) -> torch.Tensor:

@@ -241,8 +241,8 @@ class GatedDeltaNet(nn.Module):
         Hv, V = self.value_shape
         qkv, z, b, a = self.projections(x, fwd)
         core = fwd.linear_attention(self, qkv, b, a, B, L)  # [T, Hv, V]
-        out = fwd.gated_norm(self.norm, core.reshape(T * Hv, V), z.reshape(T * Hv, V))  # [T*Hv, V]
-        return self.out_proj(out.view(T, Hv * V), fwd, residual=residual)  # [T, H]
+        out = fwd.gated_norm(self.norm, core, z.view(T, Hv, V))  # [T, Hv, V]
+        return self.out_proj(out.reshape(T, Hv * V), fwd, residual=residual)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
