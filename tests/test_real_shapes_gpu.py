@@ -181,7 +181,7 @@ def write_tinker_adapter(out: Path, experts: dict, hidden: int, seed: int) -> Pa
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 2 * RANK,
-         "target_modules": "all-linear"}))
+         "target_modules": ["w1", "w2", "w3"]}))  # (all-linear reaches no routed expert in PEFT's Qwen3.5)
     return out
 
 
