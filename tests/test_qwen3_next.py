@@ -36,8 +36,9 @@ from lora_eval import Batch, Engine, EngineOptions, InputError
 from lora_eval.cli import cli
 from lora_eval.kernels.rms_norm import rms_norm, rms_norm_ref
 from lora_eval.models import family_and_args, load_model
-from tests.builders import (HYBRID_RMS_NORM_EPS, hf_logprobs, load_hf_model, random_sequences, save_random_model,
-                            save_random_model_from_config, save_random_peft_adapter, save_random_peft_adapter_any)
+from tests.builders import (HYBRID_RMS_NORM_EPS, hf_logprobs, load_hf_model, peft_oracle_any, random_sequences,
+                            save_random_model, save_random_model_from_config, save_random_peft_adapter,
+                            save_random_peft_adapter_any)
 from tests.conftest import CPU
 from tests.test_adapters import assert_rows_close
 from tests.test_distributed import finish, torchrun
@@ -353,15 +354,38 @@ def _batch(seed: int) -> Batch:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_graph_replay_equals_eager_and_bf16_is_close_to_float32(checkpoint, gpu_adapter, case, seed):
-    """A mixed batch (base and adapter rows) replayed from a CUDA graph equals the eager forward bit for bit, and
-    its bf16 logprobs stay within bf16's reach of our float32 torch path (itself transformers' within 1e-5)."""
+    """A mixed batch (base and adapter rows) replayed from a CUDA graph equals the eager forward bit for bit, and its
+    bf16 logprobs are as close to the float32 ones (our torch path: transformers' within 1e-5) as transformers + PEFT
+    in bf16 on the same GPU are. (On the CPU the two bf16 computations' errors agree to 1%: mean 0.0135 / 0.0134,
+    99th percentile 0.164 / 0.162 on one Qwen3.5 case; the tiny models' routers make single positions move by
+    tenths of a nat in bf16, so no fixed bound fits.)"""
     adapters = {"a": gpu_adapter(case)}
     batch = _batch(seed)
     graphs = Engine.load(checkpoint(case), adapters, GPU).logprobs(batch)
     eager = Engine.load(checkpoint(case), adapters, replace(GPU, cuda_graphs=False)).logprobs(batch)
     assert all(torch.equal(a, b) for a, b in zip(graphs, eager))
     exact = Engine.load(checkpoint(case), adapters, CPU).logprobs(batch)
-    assert_bf16_close(torch.cat([(a.cpu() - b).abs() for a, b in zip(graphs, exact)]), "bf16 against float32")
+    ours = torch.cat([(a.cpu() - b).abs() for a, b in zip(graphs, exact)])
+    theirs = torch.cat([(a - b).abs() for a, b in zip(_transformers_bf16(checkpoint(case), adapters["a"], batch),
+                                                        exact)])
+    for stat in (torch.mean, lambda e: e.quantile(0.99)):
+        assert stat(ours) <= 1.5 * stat(theirs) + 2e-3, (stat(ours).item(), stat(theirs).item())
+
+
+def _transformers_bf16(model_dir: Path, adapter: Path, batch: Batch) -> list[torch.Tensor]:
+    """Each row's logprobs from transformers (+ PEFT for adapter rows) in bf16 on the GPU, one row at a time."""
+    out = []
+    for tagged in (None, "a"):
+        model = peft_oracle_any(model_dir, adapter) if tagged else load_hf_model(model_dir)
+        model = model.to("cuda", torch.bfloat16).eval()
+        with torch.no_grad():
+            for i, (ids, name) in enumerate(zip(batch.input_ids, batch.adapters)):
+                if name == tagged:
+                    x = torch.tensor([ids], device="cuda")
+                    logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+                    out.append((i, torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()))
+        del model
+    return [lp for _, lp in sorted(out, key=lambda pair: pair[0])]
 
 
 @pytest.mark.parametrize("case", ["qwen3_5_moe_vl", "qwen3_next"])
