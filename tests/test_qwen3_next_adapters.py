@@ -28,16 +28,17 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer, ParamWrapper
 from safetensors.torch import load_file, save_file
 
-from lora_eval import Engine, InputError, UnsupportedError
+from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.adapters import load_adapter
 from lora_eval.adapters.config import AdapterConfig
 from lora_eval.adapters.load import SPLIT_LAYOUT, _renamed_config
 from lora_eval.adapters.targets import Sites, peft_view, resolve_targets
+from lora_eval.engine.forward import Forward
 from lora_eval.models import FAMILIES, load_model
 from tests.builders import hf_logprobs, load_hf, load_hf_model, peft_oracle, peft_oracle_any, save_random_hybrid, \
     save_random_peft_adapter, save_random_peft_adapter_any, write_expert_adapter, write_split_qkv_adapter
 from tests.conftest import CPU
-from tests.test_adapters import VOCAB, assert_changes, assert_close_to_merged, assert_rows_close, \
+from tests.test_adapters import TOL, VOCAB, assert_changes, assert_close_to_merged, \
     our_ranks_and_scalings, peft_ranks_and_scalings, run_one_adapter
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -119,6 +120,37 @@ def base_hf(models) -> dict:
     return {family: load_hf(path) for family, path in models.items()}
 
 
+ROUTER_TIE = 1e-5  # router logits this close at the top-k boundary: float32 rounding decides which expert wins
+
+
+def assert_rows_close_but_router_ties(engine: Engine, ours, reference, sequences) -> None:
+    """assert_rows_close against PEFT, where one row may differ by more than TOL only from a position on at which one
+    of our routers, under the adapter, has its k-th and (k+1)-th logits within ROUTER_TIE: two float32 computations
+    of one model may pick different experts there (seen: 2.4e-7 apart, layer 4 of Qwen3-Next, 0.14 nats after).
+    Anything else fails as before."""
+    diffs = [(a - b).abs() for a, b in zip(ours, reference)]
+    bad = [i for i, d in enumerate(diffs) if not d.max() <= TOL]
+    if not bad:
+        return
+    assert len(bad) == 1, f"rows {bad} differ from PEFT by more than {TOL}: {[diffs[i].max().item() for i in bad]}"
+    row = bad[0]
+    first = int((diffs[row] > TOL).nonzero()[0])  # position whose next-token logprob first differs
+    ties = set()
+
+    def probe(layer, point, tensor):
+        if point == "router_logits":
+            top = tensor.float().topk(engine.model.args.top_k + 1, dim=-1).values  # [T, k+1]
+            ties.update((top[:, -2] - top[:, -1] < ROUTER_TIE).nonzero().flatten().tolist())
+
+    Forward.probe = staticmethod(probe)
+    try:
+        engine.logprobs(Batch(input_ids=[sequences[row]], adapters=["lora"]))
+    finally:
+        Forward.probe = None
+    assert any(p <= first for p in ties), (f"row {row} differs from PEFT by {diffs[row].max().item()} from position "
+                                           f"{first} on, with no router near-tie at or before it (ties: {sorted(ties)})")
+
+
 def hybrid_sequences(seed: int) -> list[list[int]]:
     """Five rows: 2 and 150 tokens (three chunks of transformers' delta rule) and three lengths between."""
     generator = torch.Generator().manual_seed(seed)
@@ -187,7 +219,7 @@ def test_peft_adapter_matches_peft(case, models, ours, base_hf, tmp_path, seed):
     engine = Engine(ours[family], [load_adapter(adapter_dir, "lora", ours[family])])
     got = run_one_adapter(engine, "lora", sequences)
     oracle = load_peft(layout, models[family], adapter_dir)
-    assert_rows_close(got, hf_logprobs(oracle, sequences), what="PEFT")
+    assert_rows_close_but_router_ties(engine, got, hf_logprobs(oracle, sequences), sequences)
     assert_changes(got, hf_logprobs(base_hf[family], sequences))
     adapter = engine.adapters[0]
     ours_rs, peft_rs = our_ranks_and_scalings(adapter), peft_in_our_names(oracle)
@@ -237,7 +269,8 @@ def test_all_linear_written_as_such_resolves_as_peft(layout, models, ours, tmp_p
         assert {"model.layers.0.mlp.shared_expert.down_proj", "model.layers.0.linear_attn.in_proj_qkv"} <= targets
     sequences = hybrid_sequences(seed + 1)
     engine = Engine(ours[family], [load_adapter(adapter_dir, "lora", ours[family])])
-    assert_rows_close(run_one_adapter(engine, "lora", sequences), hf_logprobs(oracle, sequences), what="PEFT")
+    assert_rows_close_but_router_ties(engine, run_one_adapter(engine, "lora", sequences),
+                                      hf_logprobs(oracle, sequences), sequences)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
