@@ -123,9 +123,9 @@ def base_hf(models) -> dict:
 ROUTER_TIE = 1e-5  # router logits this close at the top-k boundary: float32 rounding decides which expert wins
 
 
-def assert_rows_close_but_router_ties(engine: Engine, ours, reference, sequences) -> None:
-    """assert_rows_close against PEFT, where one row may differ by more than TOL only from a position on at which one
-    of our routers, under the adapter, has its k-th and (k+1)-th logits within ROUTER_TIE: two float32 computations
+def assert_rows_close_but_router_ties(engine: Engine, ours, reference, sequences, adapter: str | None = "lora") -> None:
+    """assert_rows_close against PEFT (or transformers), where one row may differ by more than TOL only from a position
+    on at which one of our routers, under `adapter`, has its k-th and (k+1)-th logits within ROUTER_TIE: two float32 computations
     of one model may pick different experts there (seen: 2.4e-7 apart, layer 4 of Qwen3-Next, 0.14 nats after).
     Anything else fails as before."""
     diffs = [(a - b).abs() for a, b in zip(ours, reference)]
@@ -144,7 +144,7 @@ def assert_rows_close_but_router_ties(engine: Engine, ours, reference, sequences
 
     Forward.probe = staticmethod(probe)
     try:
-        engine.logprobs(Batch(input_ids=[sequences[row]], adapters=["lora"]))
+        engine.logprobs(Batch(input_ids=[sequences[row]], adapters=[adapter]))
     finally:
         Forward.probe = None
     assert any(p <= first for p in ties), (f"row {row} differs from PEFT by {diffs[row].max().item()} from position "
