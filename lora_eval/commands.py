@@ -55,7 +55,9 @@ def inspect_command(model_dir, adapters, gate_up_layout):
     moe = f", {summary['experts']} experts top-{summary['top_k']} in {summary['sparse_layers']} layers" \
         if summary["experts"] else ""
     quantized = f"; {summary['quantization']}" if summary["quantization"] else ""
-    click.echo(f"model: {summary['model_type']}, {summary['layers']} layers, hidden {summary['hidden']}{moe}, "
+    linear = summary["linear_attention_layers"]
+    layers = f"{summary['layers']} layers ({linear} Gated DeltaNet)" if linear else f"{summary['layers']} layers"
+    click.echo(f"model: {summary['model_type']}, {layers}, hidden {summary['hidden']}{moe}, "
                f"vocab {summary['vocab']}{quantized}")
     for name, group in table.groupby("adapter", sort=False):
         click.echo(f"\nadapter {name}: layout {group['layout'].iloc[0]}, "

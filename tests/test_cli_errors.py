@@ -208,7 +208,8 @@ def test_inspect_good_input_report(art):
 def test_inspect_adapters_dataframe(art):
     summary, table = inspect_adapters(art.model, {"peft": art.peft_all, "split": art.split_shared})
     assert summary == dict(model_type="qwen3_moe", layers=NUM_LAYERS, hidden=32, experts=NUM_EXPERTS, top_k=2,
-                           sparse_layers=len(MOE_LAYERS), vocab=96, quantization=None)
+                           sparse_layers=len(MOE_LAYERS), vocab=96, quantization=None,
+                           linear_attention_layers=0)
     assert list(table.columns) == COLUMNS
     for name, adapter_dir, layout in (("peft", art.peft_all, "PEFT target_parameters"),
                                       ("split", art.split_shared, "shared-outer 3D")):

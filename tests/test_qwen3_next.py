@@ -417,3 +417,9 @@ def assert_bf16_close(errors: torch.Tensor, what: str) -> None:
     (seen: 0.49 and 0.35 on one position of ~300, the rest below 0.06)."""
     mean, p99 = errors.mean().item(), errors.quantile(0.99).item()
     assert mean < 0.02 and p99 < 0.1, (what, mean, p99, errors.max().item())
+
+
+def test_inspect_names_the_family_and_its_linear_layers(checkpoint):
+    result = CliRunner().invoke(cli, ["inspect", "--model", str(checkpoint("qwen3_5_moe_vl"))])
+    assert result.exit_code == 0, result.output
+    assert "model: qwen3_5_moe, 5 layers (4 Gated DeltaNet), hidden 32, 6 experts top-2 in 5 layers" in result.output

@@ -20,7 +20,8 @@ def inspect_adapters(model_dir: str | Path, adapters: dict[str, str | Path],
     args = model.args
     summary = dict(model_type=args.model_type, layers=args.num_layers, hidden=args.hidden_size,
                    experts=args.num_experts, top_k=args.top_k, sparse_layers=len(args.sparse_layers),
-                   vocab=args.vocab_size, quantization=args.quantization)
+                   vocab=args.vocab_size, quantization=args.quantization,
+                   linear_attention_layers=sum(t == "linear_attention" for t in getattr(args, "layer_types", ())))
     rows = []
     for name, path in adapters.items():
         adapter = load_adapter(path, name, model, gate_up_layout)
