@@ -33,13 +33,17 @@ import torch
 import lora_eval
 from lora_eval import Batch, Engine
 from lora_eval.engine.engine import DTYPES
-from lora_eval.engine.prefixes import grouped_order, prefix_bytes_per_token, shared_prefix_lengths
+from lora_eval.engine.prefixes import grouped_order, prefix_bytes, shared_prefix_lengths
 from lora_eval.inputs.references import write_reference
-from tests.builders import save_random_model, save_random_peft_adapter_any
+from tests.builders import HYBRID_RMS_NORM_EPS, save_random_model, save_random_peft_adapter_any
 from tests.conftest import CPU, MOE_OVERRIDES
 
 TOL = 1e-5
-FAMILIES = {"qwen3_moe": MOE_OVERRIDES, "deepseek_v3": {}, "gpt_oss": {}, "qwen3_vl_moe": {}}
+# the Gated DeltaNet hybrids' prefix is each linear layer's state (conv inputs, recurrent state), not keys and values;
+# their tiny models conditioned as tests/builders.save_random_hybrid's
+HYBRID = dict(router_gain=1.0, lm_head_gain=1.0, rms_norm_eps=HYBRID_RMS_NORM_EPS)
+FAMILIES = {"qwen3_moe": MOE_OVERRIDES, "deepseek_v3": {}, "gpt_oss": {}, "qwen3_vl_moe": {}, "qwen3_5_moe": HYBRID,
+            "qwen3_next": HYBRID}
 
 
 def prefixed_batch(seed: int, vocab: int = 96) -> Batch:
@@ -142,9 +146,11 @@ def test_bad_prefix_lengths_are_refused():
 # ---- MMLU ------------------------------------------------------------------------------------------------
 
 
-def test_mmlu_with_and_without_the_prefix_cache(tmp_path_factory, session_seed):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_mmlu_with_and_without_the_prefix_cache(family, tmp_path_factory, session_seed):
     """The subjects of tests/test_mmlu.py's rigged sample, 16 questions each (with its 8 the prefix, computed once
-    per subject and model, still weighs 1/8 of a prompt: 25.5% measured; a full subject has 100-1,500 questions)."""
+    per subject and model, still weighs 1/8 of a prompt: 25.5% measured; a full subject has 100-1,500 questions).
+    Qwen3.5's prefixes are its linear layers' states and its full-attention layers' keys and values."""
     from tests.test_mmlu import DATA, RIG_SUBJECTS, bpe_tokenizer
 
     RIG_LIMIT = 16
@@ -152,8 +158,8 @@ def test_mmlu_with_and_without_the_prefix_cache(tmp_path_factory, session_seed):
         pytest.skip("the MMLU release is not in ../shared/data/mmlu")
     root = tmp_path_factory.mktemp("prefix_mmlu")
     tokenizer = bpe_tokenizer(root / "model")
-    model = save_random_model(root / "model", "qwen3_moe", seed=session_seed, vocab_size=len(tokenizer),
-                              max_position_embeddings=4096, **MOE_OVERRIDES)
+    model = save_random_model(root / "model", family, seed=session_seed, vocab_size=len(tokenizer),
+                              max_position_embeddings=4096, **FAMILIES[family])
     adapter = save_random_peft_adapter_any(model, root / "a", seed=session_seed + 1, r=4, lora_alpha=8,
                                            target_modules="all-linear")
     runs = {}
@@ -271,15 +277,16 @@ def test_compare_with_prefixes_data_parallel_and_resumed_byte_identical(moe_mode
 # ---- grouping ----------------------------------------------------------------------------------------------
 
 
-def test_prefix_bytes_per_token_is_what_a_computed_prefix_holds(family_engine, seed):
-    """The estimate tasks chunk their groups by (prefixes.prefix_bytes_per_token) against the bytes of a prefix the
-    engine computed and cached (keys and values of every layer, MLA's decompressed; its logprobs)."""
+def test_prefix_bytes_is_what_a_computed_prefix_holds(family_engine, seed):
+    """The estimate tasks chunk their groups by (prefixes.prefix_bytes) against the bytes of a prefix the
+    engine computed and cached (keys and values of every attention layer, MLA's decompressed; the Gated DeltaNet
+    layers' states; its logprobs)."""
     family, _, engine = family_engine
     engine.prefix_cache.clear()
     batch = prefixed_batch(seed)
     engine.logprobs(Batch(batch.input_ids[:1], [None], batch.prefixes[:1]))
     (entry,) = engine.prefix_cache.entries.values()
-    assert entry.nbytes == entry.length * prefix_bytes_per_token(engine.model.args, DTYPES[CPU.dtype]), family
+    assert entry.nbytes == prefix_bytes(engine.model.args, DTYPES[CPU.dtype], entry.length), family
 
 
 def test_grouped_order_chunks_the_groups_a_cache_holds(seed):

@@ -175,14 +175,22 @@ def grouped_order(lengths: list[int], groups: list, group_bytes: dict | None = N
     return sorted(range(len(lengths)), key=lambda i: (chunk_of[groups[i]], lengths[i], i))
 
 
-def prefix_bytes_per_token(args, dtype: torch.dtype) -> int:
-    """Bytes a computed prefix (PrefixKV) holds per token: every layer's keys and values (MLA's decompressed, all
-    heads) in the compute dtype, and a float32 logprob. A Gated DeltaNet layer holds a state of a fixed size per
-    prefix instead (PrefixKV.states; 4 MiB in float32 at Qwen3.5-35B-A3B's widths), not counted per token: the
-    cache's budget is kept on the entries' own bytes (PrefixCache), this only plans which groups share a chunk."""
+def prefix_bytes(args, dtype: torch.dtype, length: int) -> int:
+    """Bytes a computed prefix (PrefixKV) of `length` tokens holds: per token every attention layer's keys and values
+    (MLA's decompressed, all heads) in the compute dtype and a float32 logprob; per Gated DeltaNet layer its state,
+    whatever the length: the last W-1 conv inputs in the compute dtype and the recurrent state [Hv, K, V] in float32
+    (at Qwen3.5-35B-A3B's widths 2.1 MB a layer, 63 MB a prefix: more than 3,000 tokens of its keys and values)."""
+    size = torch.empty(0, dtype=dtype).element_size()
     if hasattr(args, "v_head_dim"):  # MLA: q/k heads of head_dim, v heads of v_head_dim, num_heads of each
         per_layer = args.num_heads * (args.head_dim + args.v_head_dim)
     else:
         per_layer = 2 * args.num_kv_heads * args.head_dim
-    layers = sum(t != "linear_attention" for t in getattr(args, "layer_types", ())) or args.num_layers
-    return layers * per_layer * torch.empty(0, dtype=dtype).element_size() + 4
+    types = getattr(args, "layer_types", ())
+    linear = sum(t == "linear_attention" for t in types)
+    per_token = (args.num_layers - linear) * per_layer * size + 4
+    if not linear:
+        return length * per_token
+    Hk, Hv = args.linear_num_key_heads, args.linear_num_value_heads
+    K, V = args.linear_key_head_dim, args.linear_value_head_dim
+    state = (args.conv_kernel - 1) * (2 * Hk * K + Hv * V) * size + Hv * K * V * 4
+    return length * per_token + linear * state

@@ -32,7 +32,7 @@ from ..adapters import Adapter
 from ..engine.batching import batches_in_order, make_batches, padding_waste
 from ..engine.engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from ..engine.plan import check_fits
-from ..engine.prefixes import MIN_SHARED_TOKENS, grouped_order, prefix_bytes_per_token, shared_prefix_lengths
+from ..engine.prefixes import MIN_SHARED_TOKENS, grouped_order, prefix_bytes, shared_prefix_lengths
 from ..errors import InputError
 from ..inputs.checks import adapter_names, check_lengths, model_config, positive_int, threshold
 from ..inputs.references import read_reference, reference_arg, reference_inputs
@@ -142,8 +142,8 @@ class CompareTask(Task):
         shared out alike)."""
         suffix = self.suffix
         if self.use_prefixes:  # groups chunked as the prefix cache holds them (engine/prefixes.grouped_order)
-            per_token = prefix_bytes_per_token(self.args, DTYPES[self.options.dtype])
-            group_bytes = {g: p * per_token for g, p in zip(group, self.prefix)}
+            dtype = DTYPES[self.options.dtype]
+            group_bytes = {g: prefix_bytes(self.args, dtype, p) for g, p in zip(group, self.prefix)}
             cache = self.engine.prefix_cache.budget if self.engine is not None else self.options.prefix_cache_memory
             self.batches = batches_in_order(grouped_order(suffix, group, group_bytes, cache), suffix,
                                             self.batch_tokens)

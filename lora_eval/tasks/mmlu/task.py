@@ -27,7 +27,7 @@ from ...distributed import together
 from ...engine.batching import batches_in_order, make_batches, padding_waste
 from ...engine.engine import DTYPES, Batch, Engine, EngineOptions, first_non_finite, overflow_error, read_adapters
 from ...engine.plan import check_fits
-from ...engine.prefixes import common_length, grouped_order, prefix_bytes_per_token
+from ...engine.prefixes import common_length, grouped_order, prefix_bytes
 from ...errors import InputError
 from ...inputs.checks import adapter_names, model_config, positive_int, threshold
 from ...inputs.mmlu_data import LETTERS, check_shots, read_split, select
@@ -216,8 +216,9 @@ class MmluTask(Task):
             groups, shared = subject_prefixes(self.questions, self.tokens.used, ids)
             self.rows_prefix = [shared[q] for q in range(len(ids)) for _ in tags]
             self.suffix = suffix = [n - p for n, p in zip(lengths, self.rows_prefix)]
-            per_token = prefix_bytes_per_token(self.args, DTYPES[self.options.dtype])
-            group_bytes = {g: shared[q] * per_token * len(tags) for q, g in enumerate(groups)}  # every model's
+            dtype = DTYPES[self.options.dtype]
+            group_bytes = {g: prefix_bytes(self.args, dtype, shared[q]) * len(tags)  # every model's
+                           for q, g in enumerate(groups)}
             cache = self.engine.prefix_cache.budget if self.engine is not None else self.options.prefix_cache_memory
             order = grouped_order(suffix, [groups[q] for q in range(len(ids)) for _ in tags], group_bytes, cache)
             self.batches = batches_in_order(order, suffix, self.batch_tokens)
