@@ -46,7 +46,7 @@ from torch import nn
 from ..errors import InputError, UnsupportedError
 from . import qwen3
 from .glm4_moe import partial_rope, rope_inv_freq, rope_params
-from .layers import Embedding, Linear, RMSNorm, read_layer_types, rope_cos_sin
+from .layers import Linear, RMSNorm, read_layer_types
 from .qwen2_moe import SharedExpertMoe
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -271,33 +271,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h, fwd), fwd, residual=h)  # [T, H]: h + MoE
 
 
-class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = Embedding("model.embed_tokens", args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm("model.norm", args.hidden_size, args.rms_norm_eps, True)
-
-
 class CausalLM(qwen3.CausalLM):
+    """qwen3's causal LM (its backbone, forward and lm_head) with this file's decoder layers, partial RoPE and the
+    zero-centred final norm."""
+
+    decoder_layer = DecoderLayer
     rope_inv_freq = staticmethod(rope_inv_freq)
 
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model = Backbone(args)
-        self.lm_head = Linear("lm_head", args.hidden_size, args.vocab_size)
-        self.register_buffer("inv_freq", self.rope_inv_freq(args.head_dim, args.rope, args.where),
-                             persistent=False)  # [rd/2]
-
-    def forward(self, input_ids: torch.Tensor, fwd) -> torch.Tensor:
-        B, L = input_ids.shape
-        positions = fwd.positions(B, L, input_ids.device)  # [B, L]: after a row's cached prefix, if any
-        h = self.model.embed_tokens(input_ids.reshape(-1), fwd)  # [T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [B, L, rd]
-        for i, layer in enumerate(self.model.layers):
-            h = fwd.observe(i, "residual", layer(fwd.observe(i, "input", h), cos, sin, fwd))  # [T, H]
-        return self.model.norm(h, fwd)  # [T, H]
+        super().__init__(args)
+        self.model.norm.unit_offset = True
 
 
 def load_weights(model: CausalLM, files, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
