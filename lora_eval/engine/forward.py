@@ -84,6 +84,8 @@ class Forward:
         self._rows_by_prefix = None  # built by _prefix_groups
         self._row_lengths = None  # likewise, or by _prefix_table
         self._table = None  # built by _prefix_table
+        self._distinct = None  # built by _distinct_prefixes
+        self._entries = None  # its entries on the device, by _start_states
         self.expert_parallel = expert_parallel  # lora_eval.engine.expert_parallel.ExpertParallel, or None
         self.triton = backend == "triton"
         self.invariant = invariant and self.triton
@@ -404,16 +406,12 @@ class Forward:
         beta = self.pointwise(torch.sigmoid, b).view(B, L, -1)  # [B, L, Hv]
         g = -module.A_log.float().exp() * self.pointwise(F.softplus, a.float() + module.dt_bias.float())  # [T, Hv]
         x, g = qkv.view(B, L, -1), g.view(B, L, -1)  # [B, L, C], [B, L, Hv] float32
+        if self.triton:
+            return self._delta_rows(module, x, beta, g, self._start_states(module, layer, x)).reshape(
+                B * L, *module.value_shape)
         states = [None] * B
         if self.prefixes is not None:
             states = [None if p is None else p.states[layer] for p in self.prefixes] + [None] * (B - len(self.prefixes))
-        if self.triton:
-            start = None
-            if any(s is not None for s in states):
-                conv = torch.stack([module.conv_state(x) if s is None else s[0].to(x) for s in states])  # [B, W-1, C]
-                recurrent = torch.stack([module.recurrent_state(x) if s is None else s[1] for s in states])
-                start = (conv, recurrent)  # [B, W-1, C], [B, Hv, K, V] float32
-            return self._delta_rows(module, x, beta, g, start).reshape(B * L, *module.value_shape)
         out = x.new_zeros(B, L, *module.value_shape)  # [B, L, Hv, V]
         for row, n in enumerate(self.lengths):
             state = states[row]
@@ -421,6 +419,33 @@ class Forward:
             out[row, :n] = self._delta_rows(module, x[row:row + 1, :n], beta[row:row + 1, :n], g[row:row + 1, :n],
                                             start)[0]
         return out.view(B * L, *module.value_shape)
+
+    def _start_states(self, module, layer: int, x: torch.Tensor) -> tuple | None:
+        """The GPU path's start of every row of x [B, L, C] at Gated DeltaNet layer `layer`: (conv inputs [B, W-1, C],
+        recurrent state [B, Hv, K, V] float32) gathered in one launch each from a table of zeros and the batch's
+        distinct prefixes' (entry per row: _distinct_prefixes); None where no row continues a prefix. Per-row stacking
+        was ~5,000 host calls per forward on MMLU's batches (BENCHMARKS-history 22)."""
+        if self.prefixes is None:  # nothing to gather (and nothing copied from the host, which a graph cannot capture)
+            return None
+        entry, prefixes = self._distinct_prefixes(x.shape[0])
+        if self._entries is None:
+            self._entries = to_device(entry, x.device)  # [B]
+        entries = self._entries
+        conv = torch.stack([module.conv_state(x)] + [p.states[layer][0].to(x) for p in prefixes])  # [P+1, W-1, C]
+        recurrent = torch.stack([module.recurrent_state(x)] + [p.states[layer][1] for p in prefixes])  # [P+1, Hv, K, V]
+        return conv[entries], recurrent[entries]  # [B, W-1, C], [B, Hv, K, V]
+
+    def _distinct_prefixes(self, rows: int) -> tuple[list[int], list]:
+        """(entry per row of `rows`: 0 for a row without a prefix, else 1 + its prefix's index; the batch's distinct
+        prefixes), on the host, built once per forward (the prefix tables of attention and of Gated DeltaNet)."""
+        if self._distinct is None:
+            distinct: dict = {}  # id -> (entry, prefix)
+            entry = [0] * rows
+            for b, prefix in enumerate(self.prefixes or []):
+                if prefix is not None:
+                    entry[b] = distinct.setdefault(id(prefix), (len(distinct) + 1, prefix))[0]
+            self._distinct = (entry, [prefix for _, prefix in distinct.values()])
+        return self._distinct
 
     def _delta_rows(self, module, x, beta, g, start) -> torch.Tensor:
         """linear_attention's conv and delta rule over rows x [R, n, C] from `start` (conv inputs [R, W-1, C],
@@ -473,12 +498,7 @@ class Forward:
                                torch.zeros(2, 1, dtype=torch.int64, device=device),  # [2, 1]: every layer's
                                torch.zeros(1, dtype=torch.int32, device=device))
             else:
-                distinct = {}  # id -> (entry, prefix)
-                entry = [0] * rows
-                for b, prefix in enumerate(self.prefixes):
-                    if prefix is not None:
-                        entry[b] = distinct.setdefault(id(prefix), (len(distinct) + 1, prefix))[0]
-                prefixes = [prefix for _, prefix in distinct.values()]
+                entry, prefixes = self._distinct_prefixes(rows)
                 wrong = {t.dtype for prefix in prefixes for t in prefix.kv[0]} - {dtype}
                 if wrong:
                     raise ValueError(f"cached prefixes hold {wrong.pop()} keys or values, the layers compute {dtype}")
