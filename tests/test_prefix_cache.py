@@ -5,7 +5,7 @@
    suffix, Qwen3-VL-MoE's multimodal RoPE): `logprobs` and `next_token_logprobs` with prefixes equal the full
    prompts within 1e-5 in float32, base and adapter rows mixed, several prefixes in a batch, rows without one beside
    them; a prefixed row alone equals it in its batch bit for bit (the torch backend stays batch-invariant);
-2. the Triton backend through the interpreter (Qwen3-MoE, Qwen3.5-MoE; small shapes);
+2. the Triton backend through the interpreter (Qwen3-MoE; Qwen3.5-MoE's gathered start states; small shapes);
 3. a cache budget smaller than a batch's prefixes evicts and the numbers stay bit for bit the same;
 4. MMLU 5-shot with and without `--no-prefix-cache`: identical predictions, scores within 1e-5, tokens computed at
    most 25% of the full prompts' (printed);
@@ -102,14 +102,10 @@ def test_prefixed_rows_equal_full_prompts(family_engine, seed):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled")
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
-def test_triton_backend_in_the_interpreter(family, moe_model, tmp_path, seed):
-    # qwen3_5_moe: the GPU path's start states, gathered per row from the batch's distinct prefixes (one table a
-    # layer), around the torch references of the conv and the delta rule (fla runs on CUDA only)
-    model = moe_model if family == "qwen3_moe" else save_random_model(tmp_path / "m", family, seed=seed, **HYBRID)
-    adapter = save_random_peft_adapter_any(model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+def test_triton_backend_in_the_interpreter(moe_model, tmp_path, seed):
+    adapter = save_random_peft_adapter_any(moe_model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
                                            target_modules=["q_proj", "v_proj", "o_proj"])
-    engine = Engine.load(model, {"a": adapter}, replace(CPU, backend="triton"))
+    engine = Engine.load(moe_model, {"a": adapter}, replace(CPU, backend="triton"))
     batch = prefixed_batch(seed)  # rows of 3 prefixes x base / adapter (5 entries or 6) and rows without one
     full = engine.logprobs(Batch(batch.input_ids, batch.adapters))
     got = engine.logprobs(batch)  # (every row's prefix read in one launch a layer: kernels/prefix_attention.py)
@@ -117,6 +113,28 @@ def test_triton_backend_in_the_interpreter(family, moe_model, tmp_path, seed):
     print(f"triton: max |diff| {diff:.2e}")
     entries = {(tuple(ids[:p + 1]), a) for ids, a, p in zip(batch.input_ids, batch.adapters, batch.prefixes) if p}
     assert diff < TOL and engine.prefix_stats()["prefixes_computed"] == len(entries) >= 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled")
+def test_triton_backend_gathers_the_hybrids_start_states(tmp_path, seed):
+    # the GPU path of a Gated DeltaNet layer starts each row from its prefix's conv inputs and recurrent state,
+    # gathered from a table of the batch's distinct prefixes (Forward._start_states); here around the torch
+    # references of the conv and the delta rule (fla runs on CUDA only). An MMLU-like batch, kept small for the
+    # interpreter: one shared prefix under base and adapter, two rows each, and a row without one
+    model = save_random_model(tmp_path / "m", "qwen3_5_moe", seed=seed, **HYBRID)
+    adapter = save_random_peft_adapter_any(model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
+                                           target_modules="all-linear")
+    engine = Engine.load(model, {"a": adapter}, replace(CPU, backend="triton"))
+    rng = random.Random(seed)
+    prefix = [rng.randrange(96) for _ in range(13)]  # its entry holds the token after the shared 12 (logprobs')
+    ids = [prefix + [rng.randrange(96) for _ in range(rng.randrange(2, 6))] for _ in range(4)] + [[5, 7, 9, 1]]
+    tags = [None, "a", None, "a", "a"]
+    batch = Batch(ids, tags, [len(prefix) - 1] * 4 + [0])
+    full = engine.logprobs(Batch(ids, tags))
+    got = engine.logprobs(batch)
+    diff = max((a - b).abs().max().item() for a, b in zip(full, got))
+    print(f"triton, Qwen3.5-MoE: max |diff| {diff:.2e}")
+    assert diff < TOL and engine.prefix_stats()["prefixes_computed"] == 2
 
 
 def test_a_small_cache_evicts_and_stays_exact(moe_model, tmp_path, seed):
