@@ -5,7 +5,8 @@
    suffix, Qwen3-VL-MoE's multimodal RoPE): `logprobs` and `next_token_logprobs` with prefixes equal the full
    prompts within 1e-5 in float32, base and adapter rows mixed, several prefixes in a batch, rows without one beside
    them; a prefixed row alone equals it in its batch bit for bit (the torch backend stays batch-invariant);
-2. the Triton backend through the interpreter (Qwen3-MoE; Qwen3.5-MoE's gathered start states; small shapes);
+2. the Triton backend through the interpreter (Qwen3-MoE, small shapes), and the Gated DeltaNet layers' start states
+   gathered per row on that path;
 3. a cache budget smaller than a batch's prefixes evicts and the numbers stay bit for bit the same;
 4. MMLU 5-shot with and without `--no-prefix-cache`: identical predictions, scores within 1e-5, tokens computed at
    most 25% of the full prompts' (printed);
@@ -24,6 +25,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -33,7 +35,8 @@ import torch
 import lora_eval
 from lora_eval import Batch, Engine
 from lora_eval.engine.engine import DTYPES
-from lora_eval.engine.prefixes import grouped_order, prefix_bytes, shared_prefix_lengths
+from lora_eval.engine.forward import Forward
+from lora_eval.engine.prefixes import PrefixKV, grouped_order, prefix_bytes, shared_prefix_lengths
 from lora_eval.inputs.references import write_reference
 from tests.builders import HYBRID_RMS_NORM_EPS, save_random_model, save_random_peft_adapter_any
 from tests.conftest import CPU, MOE_OVERRIDES
@@ -115,26 +118,30 @@ def test_triton_backend_in_the_interpreter(moe_model, tmp_path, seed):
     assert diff < TOL and engine.prefix_stats()["prefixes_computed"] == len(entries) >= 5
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels run compiled")
-def test_triton_backend_gathers_the_hybrids_start_states(tmp_path, seed):
-    # the GPU path of a Gated DeltaNet layer starts each row from its prefix's conv inputs and recurrent state,
-    # gathered from a table of the batch's distinct prefixes (Forward._start_states); here around the torch
-    # references of the conv and the delta rule (fla runs on CUDA only). An MMLU-like batch, kept small for the
-    # interpreter: one shared prefix under base and adapter, two rows each, and a row without one
-    model = save_random_model(tmp_path / "m", "qwen3_5_moe", seed=seed, **HYBRID)
-    adapter = save_random_peft_adapter_any(model, tmp_path / "a", seed=seed, r=4, lora_alpha=8,
-                                           target_modules="all-linear")
-    engine = Engine.load(model, {"a": adapter}, replace(CPU, backend="triton"))
-    rng = random.Random(seed)
-    prefix = [rng.randrange(96) for _ in range(13)]  # its entry holds the token after the shared 12 (logprobs')
-    ids = [prefix + [rng.randrange(96) for _ in range(rng.randrange(2, 6))] for _ in range(4)] + [[5, 7, 9, 1]]
-    tags = [None, "a", None, "a", "a"]
-    batch = Batch(ids, tags, [len(prefix) - 1] * 4 + [0])
-    full = engine.logprobs(Batch(ids, tags))
-    got = engine.logprobs(batch)
-    diff = max((a - b).abs().max().item() for a, b in zip(full, got))
-    print(f"triton, Qwen3.5-MoE: max |diff| {diff:.2e}")
-    assert diff < TOL and engine.prefix_stats()["prefixes_computed"] == 2
+def test_the_gpu_paths_start_states_are_each_rows_own_prefixes(seed):
+    # Forward._start_states, the Triton path of a Gated DeltaNet layer (its end to end check with fla: the hybrids'
+    # GPU prefix tests in tests/test_qwen3_next.py): every row starts from its own prefix's conv inputs and recurrent
+    # state at this layer, gathered from one table of the batch's distinct prefixes; zeros for a row without one,
+    # and for the rows a graph bucket adds past the rows given; nothing at all for a batch without prefixes
+    generator = torch.Generator().manual_seed(seed)
+    W, C, Hv, K, V, layers = 4, 12, 2, 3, 5, 2
+    module = SimpleNamespace(conv_state=lambda x: x.new_zeros(W - 1, C),
+                             recurrent_state=lambda x: torch.zeros(Hv, K, V, device=x.device))
+
+    def prefix():
+        return PrefixKV(length=7, kv=[], states=[(torch.randn(W - 1, C, generator=generator),
+                                                  torch.randn(Hv, K, V, generator=generator)) for _ in range(layers)])
+
+    first, second = prefix(), prefix()
+    rows = [first, None, second, first]
+    x = torch.randn(len(rows) + 1, 3, C, generator=generator)  # [B, L, C]: one row past the prefixes given
+    forward = Forward("triton", [3] * len(x), prefixes=rows)
+    for layer in range(layers):
+        conv, recurrent = forward._start_states(module, layer, x)  # [B, W-1, C], [B, Hv, K, V]
+        for b, row in enumerate(rows + [None]):
+            expected = (module.conv_state(x), module.recurrent_state(x)) if row is None else row.states[layer]
+            assert torch.equal(conv[b], expected[0]) and torch.equal(recurrent[b], expected[1])
+    assert Forward("triton", [3] * len(x), prefixes=[None] * len(x))._start_states(module, 0, x) is None
 
 
 def test_a_small_cache_evicts_and_stays_exact(moe_model, tmp_path, seed):
