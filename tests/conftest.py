@@ -24,6 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 torch.set_num_threads(1)
 
 from lora_eval.engine.engine import EngineOptions
+from lora_eval.runners.graphs import pad_to_bucket
 from tests.builders import save_random_model
 
 # 2I (16) != H (32) and I != H, so a transposed or swapped expert factor cannot pass by coincidence
@@ -68,3 +69,14 @@ def moe_model(tmp_path_factory, session_seed):
 
 
 CPU = EngineOptions(device="cpu", dtype="float32")  # the oracle's options, whatever the machine has
+
+
+def eager_on_the_bucket(engine, seqs: list, slots: list, rows: int, length: int) -> torch.Tensor:
+    """The engine's eager forward of `seqs` padded as a graph bucket of rows x length pads them: the twin of a replay,
+    for the checks that a replay computes what eager does on the same padded batch -> hidden [rows * length, H]."""
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)  # [B, L]
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+    padded, token_slots = pad_to_bucket(ids, slots, rows, length)
+    device = engine.model.inv_freq.device  # the model's (the engine keeps no device of its own)
+    return engine._build(padded.to(device), token_slots.to(device), max(slots) >= 0)

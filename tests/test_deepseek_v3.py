@@ -33,7 +33,7 @@ from lora_eval.models import FAMILIES, deepseek_v3, load_model
 from tests.builders import DEEPSEEK_YARN, hf_logprobs, load_hf, random_sequences, save_quantized_copy, \
     save_random_model, save_random_peft_adapter, set_random_correction_bias, write_dense_adapter, \
     write_expert_adapter
-from tests.conftest import CPU
+from tests.conftest import CPU, eager_on_the_bucket
 from tests.test_adapters import PEFT_EXPERTS, assert_changes, assert_close_to_merged, assert_rows_close, \
     check_peft_adapter, run_one_adapter, varied_sequences
 from tests.test_families import base_hf, k2, run  # noqa: F401 (base_hf: a fixture)
@@ -487,8 +487,6 @@ def test_cuda_rows_without_adapter_equal_base(case, checkpoint, tmp_path, seed):
 def test_cuda_graph_replay_equals_eager(checkpoint, tmp_path, seed):
     """The captured forward (sigmoid group router in torch included) replays bit for bit what the eager Triton
     forward computes on the same padded batch, with LoRA rows and without (tests/test_graphs_gpu.py's check)."""
-    from lora_eval.runners.graphs import pad_to_bucket
-
     model_dir = checkpoint("mla")
     model = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
     adapters = family_adapters(model_dir, tmp_path, seed)
@@ -498,11 +496,7 @@ def test_cuda_graph_replay_equals_eager(checkpoint, tmp_path, seed):
         slots = [e._slot(t, i) for i, t in enumerate(tags)]
         hidden, length = e._forward(seqs, slots)[:2]
         rows = hidden.shape[0] // length
-        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-        padded, token_slots = pad_to_bucket(ids, slots, rows, length)
-        eager = e._build(padded.cuda(), token_slots.cuda(), max(slots) >= 0)
+        eager = eager_on_the_bucket(e, seqs, slots, rows, length)
         assert torch.equal(hidden, eager), f"tags {tags}: max |d| {(hidden.float() - eager.float()).abs().max()}"
     stats = e.graph_stats()
     assert stats["graphs"] == 2 and stats["replays"] == 2 and stats["eager_batches"] == 0

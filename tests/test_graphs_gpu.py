@@ -15,6 +15,7 @@ from lora_eval.adapters import load_adapter
 from lora_eval.models import load_model
 from lora_eval.runners.graphs import BucketPlan, pad_to_bucket
 from tests.builders import random_sequences, save_random_peft_adapter, write_expert_adapter
+from tests.conftest import eager_on_the_bucket
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 VOCAB = 96
@@ -64,12 +65,8 @@ def test_replay_equals_eager_on_the_same_padded_batch(moe_model, adapters, seed)
         hidden, length = e._forward(seqs, slots)[:2]
         replayed = hidden.clone()
         rows = replayed.shape[0] // length
-        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-        padded, token_slots = pad_to_bucket(ids, slots, rows, length)
-        eager = e._build(padded.cuda(), token_slots.cuda(), max(slots) >= 0).clone()
-        again = e._build(padded.cuda(), token_slots.cuda(), max(slots) >= 0)
+        eager = eager_on_the_bucket(e, seqs, slots, rows, length).clone()
+        again = eager_on_the_bucket(e, seqs, slots, rows, length)
         assert torch.equal(eager, again), "two eager runs of the same batch differ"
         differ = (replayed != eager).any(-1).view(rows, length)  # [rows, length] positions that differ
         assert not differ.any(), (f"tags {tags}: {int(differ.sum())} positions differ, max |d| "

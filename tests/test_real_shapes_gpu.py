@@ -48,9 +48,9 @@ from lora_eval.tasks.bench import ADAPTER_STRENGTH, hf_logprobs, make_peft_adapt
 from lora_eval.cli import cli
 from lora_eval.models import load_model
 from lora_eval.inputs.references import write_reference
-from lora_eval.runners.graphs import pad_to_bucket
 from tests.builders import HF_MODEL_CLASSES
 from tests.cli_checks import assert_input_error
+from tests.conftest import eager_on_the_bucket
 from tests.test_deepseek_v3 import PUBLISHED as DEEPSEEK_PUBLISHED
 from tests.test_qwen3_vl_moe import PUBLISHED as QWEN3_VL_PUBLISHED
 
@@ -357,11 +357,7 @@ def assert_replay_equals_eager(model_dir, adapters, frame, family) -> None:
         assert engine.graph_stats()["replays"] == replays + 1, f"{family}: the batch did not replay a graph"
         replayed = hidden.clone()
         rows = replayed.shape[0] // length
-        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-        padded, token_slots = pad_to_bucket(ids, slots, rows, length)
-        eager = engine._build(padded.to(DEVICE), token_slots.to(DEVICE), max(slots) >= 0)
+        eager = eager_on_the_bucket(engine, seqs, slots, rows, length)
         differ = (replayed != eager).any(-1).view(rows, length)  # [rows, length]
         assert not differ.any(), f"{family}: tags {tags}: {int(differ.sum())} positions of the replay differ from " \
                                  f"eager, max |d| {(replayed.float() - eager.float()).abs().max().item():.3g}"
