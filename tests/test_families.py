@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -89,14 +90,7 @@ def checkpoint(tmp_path_factory, session_seed):
 @pytest.fixture(scope="module")
 def base_hf(checkpoint):
     """``base_hf(case)`` -> the transformers model of that checkpoint, loaded once."""
-    loaded = {}
-
-    def get(case: str):
-        if case not in loaded:
-            loaded[case] = load_hf(checkpoint(case))
-        return loaded[case]
-
-    return get
+    return functools.cache(lambda case: load_hf(checkpoint(case)))  # each case loaded once
 
 
 # --- 1. base logprobs and what the config says -----------------------------------------------------

@@ -19,6 +19,7 @@ transformers in float32 on the CPU (adapters: tests/test_qwen3_next_adapters.py)
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from dataclasses import replace
@@ -101,14 +102,7 @@ def _scale_embedding(model_dir: Path, factor: float) -> None:
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    loaded = {}
-
-    def get(case: str):
-        if case not in loaded:
-            loaded[case] = load_hf_model(checkpoint(case))
-        return loaded[case]
-
-    return get
+    return functools.cache(lambda case: load_hf_model(checkpoint(case)))  # each case loaded once
 
 
 # --- 1. base logprobs in every layout ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ text-only input, float32 on the CPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -106,14 +107,7 @@ def checkpoint(tmp_path_factory, session_seed):
 
 @pytest.fixture(scope="module")
 def base_hf(checkpoint):
-    loaded = {}
-
-    def get(case: str):
-        if case not in loaded:
-            loaded[case] = load_hf_model(checkpoint(case))
-        return loaded[case]
-
-    return get
+    return functools.cache(lambda case: load_hf_model(checkpoint(case)))  # each case loaded once
 
 
 # --- 1. base logprobs, the rope, the checkpoint layouts ------------------------------------------------
