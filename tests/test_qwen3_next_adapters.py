@@ -30,11 +30,10 @@ from safetensors.torch import load_file, save_file
 
 from lora_eval import Batch, Engine, InputError, UnsupportedError
 from lora_eval.adapters import load_adapter
-from lora_eval.adapters.config import AdapterConfig
-from lora_eval.adapters.load import SPLIT_LAYOUT, _renamed_config
-from lora_eval.adapters.targets import Sites, peft_view, resolve_targets
+from lora_eval.adapters.load import SPLIT_LAYOUT, read_config
+from lora_eval.adapters.targets import Sites, resolve_targets
 from lora_eval.engine.forward import Forward
-from lora_eval.models import FAMILIES, load_model
+from lora_eval.models import load_model
 from tests.builders import hf_logprobs, load_hf, load_hf_model, peft_oracle, peft_oracle_any, save_random_hybrid, \
     save_random_peft_adapter, save_random_peft_adapter_any, write_expert_adapter, write_split_qkv_adapter
 from tests.conftest import CPU
@@ -180,11 +179,8 @@ def our_targets(folder, model) -> set[str]:
     names) PEFT would put LoRA on; names of single experts' projections, which PEFT has no module for on these
     models, left out (per-expert keys load under them: test_per_expert_lora_as_trainers_export_it)."""
     sites = Sites.of(model)
-    renames = FAMILIES[model.args.model_type].ADAPTER_RENAMES
-    config = peft_view(_renamed_config(AdapterConfig.read(folder), renames), sites)
     real = set(sites.linear) | set(sites.embedding) | set(sites.parameter_names()) | set(sites.split_parts())
-    outside = FAMILIES[model.args.model_type].ADAPTER_SKIPPED_MODULES
-    return {name for name in resolve_targets(config, sites, outside=outside) if name in real}
+    return {name for name in resolve_targets(read_config(folder, sites), sites) if name in real}
 
 
 def peft_targets(peft_model) -> set[str]:

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError, UnsupportedError
-from ..models import FAMILIES
 from ..models.checkpoint import TensorFiles
 from ..models.layers import deinterleave_gate_up
 from .config import AdapterConfig
@@ -145,20 +144,23 @@ def load_adapter(adapter_dir: str | Path, name: str, model, gate_up_layout: str 
         raise InputError(adapter_dir, f"is a file; expected the folder of adapter '{name}' (with adapter_config.json)")
     if not adapter_dir.is_dir():
         raise InputError(adapter_dir, f"adapter folder for '{name}' not found")
-    # module paths of older transformers -> ours, per family (e.g. Mixtral's block_sparse_moe -> mlp)
-    family = FAMILIES.get(model.args.model_type)
-    renames = getattr(family, "ADAPTER_RENAMES", ())
     sites = Sites.of(model)
-    config = peft_view(_renamed_config(AdapterConfig.read(adapter_dir), renames), sites)
-    targeted = resolve_targets(config, sites, outside=getattr(family, "ADAPTER_SKIPPED_MODULES", ()))
+    config = read_config(adapter_dir, sites)
+    targeted = resolve_targets(config, sites)
     tensors, wfile = read_adapter_tensors(adapter_dir)
     adapter = Adapter(name=name, path=adapter_dir, config=config, weights_file=wfile)
-    parser = _Parser(adapter, sites, wfile, targeted, renames, gate_up_layout,
-                     skipped=getattr(family, "ADAPTER_SKIPPED_PREFIXES", ()))
+    parser = _Parser(adapter, sites, wfile, targeted, gate_up_layout)
     for key, tensor in tensors.items():
         parser.add(key, tensor)
     parser.finish()
     return adapter
+
+
+def read_config(adapter_dir: Path, sites: Sites) -> AdapterConfig:
+    """The folder's adapter_config.json in our module paths (the family's renames of older transformers' or a
+    trainer's paths: Sites.renames, e.g. Mixtral's block_sparse_moe -> mlp) as PEFT reads it for this model
+    (targets.peft_view)."""
+    return peft_view(_renamed_config(AdapterConfig.read(adapter_dir), sites.renames), sites)
 
 
 def _renamed(name: str, renames) -> str:
@@ -184,10 +186,10 @@ def _renamed_config(config: AdapterConfig, renames) -> AdapterConfig:
 
 
 class _Parser:
-    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str], renames=(),
-                 gate_up_layout: str | None = None, skipped: tuple[str, ...] = ()):
-        self.adapter, self.sites, self.wfile, self.renames = adapter, sites, wfile, renames
-        self.skipped = tuple(skipped)
+    def __init__(self, adapter: Adapter, sites: Sites, wfile: Path, targeted: list[str],
+                 gate_up_layout: str | None = None):
+        self.adapter, self.sites, self.wfile, self.renames = adapter, sites, wfile, sites.renames
+        self.skipped = sites.skipped_prefixes
         self.gate_up_layout = gate_up_layout
         self.targeted = set(targeted)
         self.weight_sites = {**sites.linear, **sites.norm, **sites.embedding}  # modules_to_save candidates

@@ -41,6 +41,10 @@ class Sites:
     split: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)  # fused site -> ((part, rows), ...)
     unsupported_modules: dict[str, str] = field(default_factory=dict)  # name -> what it is; no LoRA on it
     unsupported_parameters: dict[str, str] = field(default_factory=dict)
+    # parts of the trainer's model that ours leaves out (a vision tower): ADAPTER_SKIPPED_MODULES, target_modules
+    # entries that may match nothing here; ADAPTER_SKIPPED_PREFIXES, weight keys whose LoRA is skipped
+    skipped_modules: tuple[str, ...] = ()
+    skipped_prefixes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, model) -> "Sites":
@@ -60,7 +64,9 @@ class Sites:
                    not_nn_linear=getattr(family, "ADAPTER_NOT_NN_LINEAR", None),
                    peft_converted=model.args.model_type in getattr(family, "ADAPTER_PEFT_CONVERTED", ()),
                    split=split, unsupported_modules=unsupported(n for n, _ in model.named_modules()),
-                   unsupported_parameters=unsupported(n for n, _ in model.named_parameters()))
+                   unsupported_parameters=unsupported(n for n, _ in model.named_parameters()),
+                   skipped_modules=tuple(getattr(family, "ADAPTER_SKIPPED_MODULES", ())),
+                   skipped_prefixes=tuple(getattr(family, "ADAPTER_SKIPPED_PREFIXES", ())))
 
     def module_names(self) -> list[str]:
         """Names that `target_modules` can match: modules, and each expert's projections as PEFT would see them."""
@@ -164,13 +170,13 @@ def _regex_leaf_names(regex: str, sites: Sites) -> list[str]:
     return sorted(leaf for leaf in leaves if leaf in PEFT_MOE_CONVERSION or _suffix_hit((leaf,), modules))
 
 
-def resolve_targets(config: AdapterConfig, sites: Sites, outside: tuple[str, ...] = ()) -> list[str]:
+def resolve_targets(config: AdapterConfig, sites: Sites) -> list[str]:
     """The module names (and `module.parameter` names of target_parameters) the config targets: the one place that
     decides which (layer, module) target_modules, layers_to_transform, layers_pattern, exclude_modules,
     modules_to_save and target_parameters cover, for every layout, by PEFT's rules (check_target_module_exists,
     _maybe_include_all_linear_layers, _inject_parameters; peft_view). An entry (or regex) that matches nothing is an
-    InputError, except an entry in `outside`: a module of the trainer's model that ours leaves out (a family's vision
-    tower); so is a config that targets nothing (PEFT refuses it: NoMatchingPeftModuleError). Names a trainer splits
+    InputError, except an entry of Sites.skipped_modules: a module of the trainer's model that ours leaves out (a
+    family's vision tower); so is a config that targets nothing (PEFT refuses it: NoMatchingPeftModuleError). Names a trainer splits
     (Sites.split) are matched by list entries, as their own; what takes no LoRA is refused by name."""
     config = peft_view(config, sites)
     names = sites.module_names()
@@ -191,7 +197,7 @@ def resolve_targets(config: AdapterConfig, sites: Sites, outside: tuple[str, ...
         candidates = []
         for entry in targets:
             hits = [n for n in names + list(sites.split_parts()) if _suffix_hit((entry,), sites.aliases(n))]
-            if not hits and entry not in outside:
+            if not hits and entry not in sites.skipped_modules:
                 _refuse_unsupported(config, [n for n in sites.unsupported_modules
                                              if _suffix_hit((entry,), sites.aliases(n))],
                                     sites.unsupported_modules, "target_modules")

@@ -26,10 +26,10 @@ import pandas as pd
 import torch
 
 from ..adapters.config import AdapterConfig
-from ..adapters.load import LORA_KEY, PREFIX, _renamed, _renamed_config, non_float_error
+from ..adapters.load import LORA_KEY, PREFIX, _renamed, non_float_error, read_config
 from ..adapters.targets import Sites, resolve_targets
 from ..errors import InputError
-from ..models import FAMILIES, check_folder_vocab, family_and_args
+from ..models import check_folder_vocab, family_and_args
 from ..models.checkpoint import TensorFiles, read_json
 from ..models.layers import FusedExperts
 from ..runners.graphs import BucketPlan
@@ -69,7 +69,7 @@ def model_parameters(model_dir: str | Path) -> dict:
 def adapter_parameters(adapters: dict[str, str | Path], model=None) -> tuple[int, int]:
     """(expert factors, other factors) over every adapter, from the safetensors headers (every file error an
     InputError naming the file, as when the adapter loads). With `model` (our CausalLM, on the meta device), each
-    adapter_config.json is read and resolved against it as every other command does (AdapterConfig.read,
+    adapter_config.json is read and resolved against it as every other command does (read_config,
     resolve_targets), and the dense LoRA factors' shapes and ranks are checked from the headers
     (check_adapter_headers)."""
     experts = other = 0
@@ -79,10 +79,9 @@ def adapter_parameters(adapters: dict[str, str | Path], model=None) -> tuple[int
             raise InputError(folder, "adapter folder not found")
         config = None
         if model is not None:
-            family = FAMILIES.get(model.args.model_type)
-            renames = getattr(family, "ADAPTER_RENAMES", ())
-            config = _renamed_config(AdapterConfig.read(folder), renames)
-            resolve_targets(config, Sites.of(model), outside=getattr(family, "ADAPTER_SKIPPED_MODULES", ()))
+            sites = Sites.of(model)
+            config = read_config(folder, sites)
+            resolve_targets(config, sites)
         path = folder / "adapter_model.safetensors"
         if not (path.exists() or path.is_symlink()):
             if (folder / "adapter_model.bin").is_file():
@@ -91,7 +90,7 @@ def adapter_parameters(adapters: dict[str, str | Path], model=None) -> tuple[int
                              "adapter_model.bin)")
         files = TensorFiles([path])
         if config is not None:
-            check_adapter_headers(files, path, config, model, renames)
+            check_adapter_headers(files, path, config, model, sites.renames)
         for key in files.keys():
             n = math.prod(files.shape(key))
             if ".experts" in key:
