@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from lora_eval.cli import cli
 from lora_eval.engine.engine import Batch, Engine
 from lora_eval.errors import InputError
+from lora_eval.inputs.references import read_reference
 from lora_eval.results.routing import route_flips
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
@@ -119,6 +120,22 @@ def test_recorded_routes_are_transformers_routes(setup, seed):
             assert (got_w - scores[:-1].gather(1, want.indices)).abs().max().item() < TOL
 
 
+def test_routes_with_shared_prefixes(setup, seed):
+    """Rows sharing 9 leading tokens: their routes (the prefix's from its pass, cached with them) equal the whole
+    rows' experts, their weights and logprobs within rounding (the suffix attends to the cached keys and values); a
+    prefix cached without routes is not served to a batch that asks for them."""
+    _, _, engine = setup
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, VOCAB, (9,), generator=g).tolist()
+    seqs = [head + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 2, 6)]
+    engine.logprobs(Batch(seqs, ["a"] * 3, prefixes=[8, 8, 8]))  # the prefix cached without routes
+    whole_lp, whole = engine.logprobs(Batch(seqs, ["a"] * 3, routes=True))
+    shared_lp, shared = engine.logprobs(Batch(seqs, ["a"] * 3, prefixes=[8, 8, 8], routes=True))
+    for (wi, ww), (si, sw), wl, sl in zip(whole, shared, whole_lp, shared_lp):
+        assert si.shape == wi.shape and torch.equal(si, wi)
+        assert (sw - ww).abs().max().item() < TOL and (wl - sl).abs().max().item() < TOL
+
+
 def test_route_flips_on_known_sets():
     engine_ids = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])  # [n=2, L=2, k=2]
     weights = np.array([[[0.5, 0.5], [0.9, 0.1]], [[0.25, 0.75], [1.0, 0.0]]])
@@ -183,25 +200,29 @@ def tempered(setup, tmp_path_factory, session_seed):
     model_dir, adapter, _ = setup
     folder = tmp_path_factory.mktemp("tempered")
     seqs = random_sequences(6, VOCAB, seed=session_seed + 5, min_len=8, max_len=20)
+    prompt = random_sequences(1, VOCAB, seed=session_seed + 6, min_len=34, max_len=34)[0]
+    seqs += [prompt + s[:5] for s in seqs[:2]]  # an RL group: two completions of one prompt (a shared prefix)
     prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(dict(sample_id=f"s{i}", input_ids=s, adapter="a" if i % 2 else None,
+    prompts.write_text("".join(json.dumps(dict(sample_id=f"s{i}", input_ids=s, adapter="a" if i % 2 or i > 5 else None,
                                                mask=[j % 3 != 0 for j in range(len(s) - 1)])) + "\n"
                                for i, s in enumerate(seqs)))
     out = folder / "ref.parquet"
     result = _run("dump-reference", "--model", model_dir, "--adapter", f"a={adapter}", "--prompts", prompts,
                   "--out", out, "--temperature", 0.7, "--quiet", "--device", "cpu", "--dtype", "float32")
     assert result.exit_code == 0, (result.stdout, result.stderr)
-    frame = pd.read_parquet(out)
+    frame = read_reference(out)
     oracles = {None: load_hf(model_dir), "a": peft_oracle(model_dir, adapter)}
-    frame["routed_experts"] = [_hf_routes(oracles[a], list(ids)).tolist()
+    frame["routed_experts"] = [_hf_routes(oracles[a if isinstance(a, str) else None], list(ids)).tolist()
                                for a, ids in zip(frame["adapter"], frame["input_ids"])]
     return folder, frame
 
 
 def _write_jsonl(frame: pd.DataFrame, path):
-    rows = frame.to_dict("records")
-    path.write_text("".join(json.dumps({k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in r.items()})
-                            + "\n" for r in rows))
+    def plain(v):
+        return v.tolist() if hasattr(v, "tolist") else None if isinstance(v, float) and np.isnan(v) else v
+
+    rows = frame.drop(columns=[c for c in frame.columns if frame[c].isna().all()]).to_dict("records")
+    path.write_text("".join(json.dumps({k: plain(v) for k, v in r.items()}) + "\n" for r in rows))
     return path
 
 
@@ -237,6 +258,8 @@ def test_routes_equal_to_the_engines_report_no_flip(setup, tempered, tmp_path):
     routing = pd.read_csv(tmp_path / "run" / "routing.csv")
     assert sorted(set(routing["layer"])) == [0, 2]  # layer 1 is dense
     assert (routing["flips"] == 0).all()
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["prefix_cache"]["rows_with_prefix"] == 2  # the group's routes: its prefix pass's, then its own
 
 
 def test_changed_routes_report_their_share(setup, tempered, tmp_path, seed):

@@ -135,7 +135,7 @@ class Batch:
     `temperatures`: per row None (1), one number, or one per predicted position (len(row) - 1): the logprobs are
     those of logits / T (a sampler's tempered distribution); None: every row at 1.
     `routes`: also return, per row, the experts each MoE layer chose at each predicted position and their routing
-    weights (`Engine.start_logprobs`); such a batch runs eagerly and without prefixes."""
+    weights (`Engine.start_logprobs`)."""
     input_ids: list[list[int]]
     adapters: list[str | None]  # one per row; None = base model
     prefixes: list[int] | None = None
@@ -152,8 +152,6 @@ class Batch:
                 if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(ids):
                     raise InputError(f"row {i}", f"a shared prefix must be an integer from 0 to the row's length "
                                      f"minus 1 ({len(ids) - 1}), found {p!r}")
-            if self.routes and any(self.prefixes):
-                raise ValueError("routes are recorded for rows without a shared prefix only")
         if self.temperatures is not None:
             if len(self.temperatures) != len(self.input_ids):
                 raise ValueError(f"{len(self.input_ids)} sequences but {len(self.temperatures)} temperatures")
@@ -250,16 +248,17 @@ class Engine:
         temps = batch.temperatures or [None] * len(slots)
         if not batch.prefixes or not any(batch.prefixes):
             return self._logprobs(batch.input_ids, slots, temperatures=temps, routes=batch.routes)
-        entries = self._prefix_entries(batch, slots, with_logprobs=True)
+        entries = self._prefix_entries(batch, slots, with_logprobs=True, routes=batch.routes)
         rows = [ids if e is None else ids[e.length:] for ids, e in zip(batch.input_ids, entries)]
         suffix_temps = [t if e is None or t is None else t[e.length:] for t, e in zip(temps, entries)]
-        return self._logprobs(rows, slots, entries, temperatures=suffix_temps, joined=lambda out: [
-            lp if e is None else torch.cat([e.logprobs, lp]) for lp, e in zip(out, entries)])
+        return self._logprobs(rows, slots, entries, temperatures=suffix_temps, routes=batch.routes)
 
-    def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool) -> list[PrefixKV | None]:
+    def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool,
+                        routes: bool = False) -> list[PrefixKV | None]:
         """Per row its prefix's PrefixKV (None without one), from the cache or computed now, alone (see prefixes.py
         for why alone). Keyed by the adapter slot and the prefix's tokens — plus, for logprobs, the token after them,
-        which the prefix pass predicts, and the temperatures of the prefix's positions."""
+        which the prefix pass predicts, the temperatures of the prefix's positions and whether its routes were
+        recorded (`routes`: the pass records them)."""
         entries, held = [], {}
         temps = batch.temperatures or [None] * len(slots)
         for ids, p, slot, t in zip(batch.input_ids, batch.prefixes, slots, temps):
@@ -267,17 +266,20 @@ class Engine:
                 entries.append(None)
                 continue
             head = None if t is None or not with_logprobs else tuple(t[:p])
-            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]), head)
+            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]), head, routes)
             entry = held.get(key) or self.prefix_cache.get(key)
             if entry is None:
-                kept, states = [], []
+                kept, states, recorded = [], [], None
                 if with_logprobs:
                     lp = self._logprobs([list(key[2])], [slot], capture=(p, kept, states),
-                                        temperatures=[None if head is None else list(head)]).get()[0]  # [p]
+                                        temperatures=[None if head is None else list(head)], routes=routes).get()
+                    if routes:
+                        lp, recorded = lp[0], lp[1][0]
+                    lp = lp[0]  # [p]
                 else:
                     self._forward([list(key[2])], [slot], capture=(p, kept, states))
                     lp = None
-                entry = PrefixKV(p, kept, lp, states)
+                entry = PrefixKV(p, kept, lp, states, routes=recorded)
                 self.prefix_cache.put(key, entry, in_use=sum(e.nbytes for k, e in held.items()
                                                              if k not in self.prefix_cache.entries))
             held[key] = entry
@@ -285,11 +287,11 @@ class Engine:
         return entries
 
     def _logprobs(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
-                  capture: tuple | None = None, joined=None, temperatures: list | None = None,
+                  capture: tuple | None = None, temperatures: list | None = None,
                   routes: bool = False) -> "HostResult":
         """`start_logprobs` of checked rows (a row may be a single token: a suffix); `prefixes` per row PrefixKV or
-        None; `capture`: Forward's (a prefix pass); `joined`: applied to the rows' logprobs once on the host;
-        `temperatures`: per row None or one per predicted position; `routes`: as Batch.routes."""
+        None: a row's result is its prefix's logprobs (and routes) followed by its own; `capture`: Forward's (a
+        prefix pass); `temperatures`: per row None or one per predicted position; `routes`: as Batch.routes."""
         device = self.model.inv_freq.device
         vocab = self.model.args.vocab_size
         lengths = [len(ids) for ids in input_ids]
@@ -328,13 +330,18 @@ class Engine:
             logp = torch.log_softmax(logits, dim=-1)  # [C, V]
             out[pick] = logp.gather(1, targets[pick, None]).squeeze(1)
         split = [n - 1 for n in lengths]
+        entries = prefixes or [None] * len(lengths)
+
+        def joined(values: torch.Tensor, part) -> list[torch.Tensor]:  # per row: its prefix's values, then its own
+            return [v if e is None else torch.cat([part(e), v]) for v, e in zip(values.split(split), entries)]
+
         if not routes:
-            return HostResult(out, lambda host: (joined or list)(list(host.split(split))))
+            return HostResult(out, lambda host: joined(host, lambda e: e.logprobs))
         recorded.sort(key=lambda r: r[0])  # model order (the layers record in it already; expert parallel too)
         ids = torch.stack([r[1][rows_dev] for r in recorded], 1)  # [N, MoE layers, k]
         weights = torch.stack([r[2][rows_dev].float() for r in recorded], 1)  # [N, MoE layers, k]
-        return HostResult((out, ids, weights), lambda host: ((joined or list)(list(host[0].split(split))), list(
-            zip(host[1].split(split), host[2].split(split)))))
+        return HostResult((out, ids, weights), lambda host: (joined(host[0], lambda e: e.logprobs), list(zip(
+            joined(host[1], lambda e: e.routes[0]), joined(host[2], lambda e: e.routes[1])))))
 
     def next_token_logprobs(self, batch: Batch, candidates: list[int]) -> torch.Tensor:
         """float32 [rows, len(candidates)] on the CPU: log p(candidate | whole row) at each row's last position
@@ -414,10 +421,13 @@ class Engine:
             ids[i, :len(row)] = torch.tensor(row)
         # under expert parallel this rank's experts also serve other ranks' adapter rows
         with_lora = self.stack is not None and (max(slots) >= 0 or self.expert_parallel is not None)
-        if self.graphs is not None and prefixes is None and capture is None and routes is None:
-            replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B)
+        if self.graphs is not None and prefixes is None and capture is None:
+            replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B, routes=routes is not None)
             if replayed is not None:
-                return (*replayed, with_lora)
+                hidden, length, recorded = replayed
+                if routes is not None:
+                    routes.extend(recorded)
+                return hidden, length, with_lora
         device = self.model.inv_freq.device
         token_slots = to_device(torch.tensor(slots, dtype=torch.long).repeat_interleave(L), device)  # [B*L]
         return self._build(to_device(ids, device), token_slots, with_lora, lengths, prefixes, capture, routes), L, \
@@ -427,11 +437,13 @@ class Engine:
         """The prefix cache's figures (prefixes.PrefixCache.stats) and the token positions this engine computed."""
         return dict(self.prefix_cache.stats(), tokens_computed=self.tokens_computed)
 
-    def expect(self, shapes: list[tuple[int, int, bool]]) -> None:
+    def expect(self, shapes: list[tuple[int, int, bool]], routes: bool = False) -> None:
         """The batches this engine is about to run without prefixes, as (rows, longest row, with an adapter row):
-        the CUDA graphs' buckets are fitted to them (runners.graphs.BucketPlan.fit). Nothing without graphs."""
+        the CUDA graphs' buckets are fitted to them (runners.graphs.BucketPlan.fit); `routes`: some of them record
+        routes (Batch.routes), which the graphs then keep. Nothing without graphs."""
         if self.graphs is not None:
             self.graphs.plan.fit([(rows, length, lora and self.stack is not None) for rows, length, lora in shapes])
+            self.graphs.record_routes = self.graphs.record_routes or routes
 
     def graph_stats(self) -> dict | None:
         """Captured graphs, their memory and how many batches replayed or ran eagerly; None without graphs."""

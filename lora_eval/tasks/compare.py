@@ -130,9 +130,6 @@ class CompareTask(Task):
             self.lengths = [len(ids) for ids in refs["input_ids"]]
             self.use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
             self.prefix, group = sample_prefixes(refs) if self.use_prefixes else ([0] * len(refs), [0] * len(refs))
-            # a row with routes runs whole: its routes come from its own forward (a prefix pass records none)
-            self.prefix = [0 if r is not None else p for p, r in zip(self.prefix, self.routed)]
-            group = [(i,) if r is not None else g for i, (g, r) in enumerate(zip(group, self.routed))]
             self.suffix = [n - p for n, p in zip(self.lengths, self.prefix)]  # tokens a row runs itself
         with phases("load"):  # the adapters' files (the model's follow once the run folder is ours)
             if self.engine is None:  # (the prefix cache's bound counts where samples share prefixes)
@@ -146,10 +143,13 @@ class CompareTask(Task):
             self._plan_units(group)
         task_options = dict(options.record(), batch_tokens=self.batch_tokens, max_k2=self.max_k2,
                             max_mean_abs_diff=self.max_mean_abs_diff, max_k2_over_floor=self.max_k2_over_floor,
-                            max_routing_flip_rate=self.max_routing_flip_rate, temperature=self.temperature,
                             adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
                             if self.check_adapters else None, prefix_cache=self.use_prefixes,
                             engine="given" if self.engine is not None else "loaded")
+        # options added since runs were first written: in the fingerprint only when set, so that an older run folder
+        # (which predates them) stays the same run and resumes
+        task_options.update({k: v for k, v in dict(max_routing_flip_rate=self.max_routing_flip_rate,
+                                                   temperature=self.temperature).items() if v is not None})
         return Plan(task_options, phase="read")
 
     def hashed(self) -> list[Hashed]:
@@ -188,7 +188,7 @@ class CompareTask(Task):
                        "forward); full samples run")
         self.engine.expect([(len(b), max(lengths[i] for i in b), u < len(self.batches) and any(
             isinstance(a, str) for a in refs["adapter"].iloc[b])) for u, b in enumerate(self.units)
-            if not any(self.prefix[i] for i in b) and not self.with_routes[u]])  # (those two run eagerly)
+            if not any(self.prefix[i] for i in b)], routes=any(self.with_routes))
         return Units([sum(self.suffix[i] for i in b) for b in self.units], "tok", lockstep=options.expert_parallel)
 
     def run(self, work: Work, run: Run) -> None:

@@ -95,7 +95,9 @@ class DumpReferenceTask(Task):
         record = self.options.record()
         task_options = dict(device=record["device"], device_name=record["device_name"], dtype=self.options.dtype,
                             gate_up_layout=self.options.gate_up_layout, default_adapter=self.default_adapter,
-                            threads=record["threads"], temperature=self.temperature)
+                            threads=record["threads"])
+        if self.temperature != 1:  # (only when set: an older dump's fingerprint predates the option)
+            task_options["temperature"] = self.temperature
         return Plan(task_options)
 
     def hashed(self) -> list[Hashed]:
