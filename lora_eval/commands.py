@@ -62,8 +62,10 @@ def inspect_command(model_dir, adapters, gate_up_layout):
     for name, group in table.groupby("adapter", sort=False):
         click.echo(f"\nadapter {name}: layout {group['layout'].iloc[0]}, "
                    f"{int(group['params'].sum()):,} parameters")
+        writer, *decisions = group["writer"].iloc[0].split("\n")
+        click.echo(f"writer: {writer}" + "".join(f"\n  read: {d}" for d in decisions))
         with pd.option_context("display.width", 200, "display.max_rows", 500):
-            click.echo(group.drop(columns=["adapter", "layout"]).to_string(index=False))
+            click.echo(group.drop(columns=["adapter", "layout", "writer"]).to_string(index=False))
 
 
 def dump_reference_command(model_dir, adapters, prompts, out, default_adapter, temperature, device, dtype,
