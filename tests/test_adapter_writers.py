@@ -428,3 +428,22 @@ def test_bridge_split_shared_outer_export_is_refused_by_name(models, tmp_path, s
     with pytest.raises(UnsupportedError, match=r"gate_proj.lora_A.weight: a shared factor \[1, ...\] whose partner "
                                                "is stored per expert .Megatron-Bridge's experts_shared_outer_loras"):
         load_adapter(adapter_dir, "w", meta)
+
+
+def test_dump_reference_applies_an_old_layout_as_its_writer_meant(models, tmp_path, seed):
+    """A PEFT 0.19.0 file on a square Qwen3-MoE (gate_up 2I == H: today's PEFT would load it silently transposed):
+    dump-reference applies it from our factors (the writer's own math), not through PEFT, and its logprobs equal
+    the writer's merged delta."""
+    from lora_eval.inputs.references import read_reference
+    from lora_eval.tasks.dump_reference import dump_reference
+
+    model_dir = models["qwen3_moe-square"]
+    adapter_dir, oracle = write_peft(model_dir, tmp_path / "a", version="0.19.0", seed=seed)
+    assert load_adapter(adapter_dir, "w", load_model(model_dir, device="meta")).layouts == \
+        {"target_parameters (swapped, B expert-fastest)"}
+    seqs = varied_sequences(seed + 1)[:3]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(dict(input_ids=s, adapter="w")) + "\n" for s in seqs))
+    dump_reference(model_dir, {"w": adapter_dir}, prompts, tmp_path / "ref.parquet", options=CPU, quiet=True)
+    got = [torch.tensor(lp) for lp in read_reference(tmp_path / "ref.parquet")["logprobs"]]
+    assert_rows_close(got, hf_logprobs(oracle, seqs), what="writer's merged delta")

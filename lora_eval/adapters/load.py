@@ -459,7 +459,10 @@ class _Parser:
         if part == "gate_up" and self.sites.experts[site].interleaved_gate_up:  # the delta of the model's own param
             B3 = deinterleave_gate_up(B3, dim=1)  # [E, 2I, r]: gate rows, then up rows
         self._set_part(site, part, A3, self._fold(b_key, B3, scaling), a_key, r, scaling)
-        self.adapter.layouts.add("PEFT target_parameters")
+        # the layout today's PEFT reads as it is (dump-reference hands such adapters to PEFT itself); any other is
+        # applied from our factors, which hold the writer's own math
+        self.adapter.layouts.add("PEFT target_parameters" if (oriented, order) == (STANDARD, RANK_MAJOR)
+                                 else f"target_parameters ({oriented}, B {B_ORDERS[order]})")
 
     def _decided(self, decision: str):
         """Record how the writer's layout was read (inspect prints it); an ambiguous reading also warns, once."""

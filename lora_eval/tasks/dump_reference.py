@@ -33,7 +33,9 @@ from ..models.layers import interleave_gate_up
 from ..results.runfolder import RECORD_KEY, Work, run_inputs
 from .run import Hashed, Plan, Run, Task, Units, run_task
 
-PEFT_LAYOUTS = {"PEFT target_parameters"}  # expert layouts PEFT itself loads into transformers v5 models
+# expert layouts today's PEFT itself loads into transformers v5 models as their writer meant them (older PEFT
+# versions' swapped and Unsloth's or Megatron-Bridge's expert-slowest layouts are merged from our factors instead)
+PEFT_LAYOUTS = {"PEFT target_parameters"}
 VL_ADAPTER_PREFIX = "base_model.model.model.language_model."  # keys of an adapter trained on a vision-language model
 
 
