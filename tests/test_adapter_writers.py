@@ -19,7 +19,8 @@ cannot pass). The writers (research: /work/research45/adapter_writers.md):
   `share_expert_adapters` (groups of identical experts, `_select_expert_adapter_weight`; gate and up share A,
   `_get_fused_adapter_linear_out_slices`); a fully shared [1, ...] A and B on the packed names (PR #6075's
   proposed `collapse_shared_experts`).
-* Refused by name: Unsloth's "mixed" marker, trainable_token_indices, a resized vocabulary, a version that
+* PEFT's trainable tokens (trainable_token_indices, list and dict, tied and untied lm_head) against PEFT itself.
+* Refused by name: Unsloth's "mixed" marker, token ids beyond the vocabulary, a resized vocabulary, a version that
   contradicts the shapes.
 """
 
@@ -378,18 +379,72 @@ def test_bridge_fingerprint_with_standard_shapes_is_refused(models, tmp_path, se
 # --- added tokens ---------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def save_trainable_tokens_adapter(model_dir, out_dir, indices, seed) -> Path:
+    """A PEFT LoRA (q_proj) with trainable tokens, saved by PEFT itself, every adapter tensor random: the token rows
+    far from the originals (they replace them)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"],
+                                      trainable_token_indices=indices))
+    g = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.copy_(randn(g, *param.shape) * (0.1 if "trainable_tokens_delta" in name else 0.05))
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+TOKEN_CASES = {"list": [3, 7, 60], "dict": {"embed_tokens": [3, 7], "lm_head": [7, 11, 40]}}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+def test_trainable_tokens_against_peft(case, tied, moe_model, tmp_path_factory, seed):
+    """PEFT's trainable_token_indices (the rows of the named token ids replaced in the embedding, in lm_head too
+    where the dict names it or the model ties it to the embedding) against PEFT itself, the rows' tokens in the
+    sequences; and dump-reference's merged copy equal to PEFT."""
+    model_dir = moe_model
+    if tied:
+        model_dir = save_random_model(tmp_path_factory.mktemp("tied"), "qwen3_moe", seed=seed + 3,
+                                      tie_word_embeddings=True, moe_intermediate_size=8)
+    if tied and case == "dict":
+        pytest.skip("PEFT refuses trainable tokens on a tied lm_head named apart from the embedding")
+    adapter_dir = save_trainable_tokens_adapter(model_dir, tmp_path_factory.mktemp("tokens") / "t",
+                                                TOKEN_CASES[case], seed)
+    engine = Engine.load(model_dir, {"w": adapter_dir}, CPU)
+    rows = engine.adapters[0].token_rows
+    assert set(rows) == ({"model.embed_tokens", "lm_head"} if tied or case == "dict" else {"model.embed_tokens"})
+    seqs = [s[:3] + [3, 7, 40, 60, 11] + s[3:] for s in varied_sequences(seed + 1)]
+    ours = run_one_adapter(engine, "w", seqs)
+    assert_rows_close(ours, hf_logprobs(peft_oracle(model_dir, adapter_dir), seqs), what="PEFT")
+    assert_changes(ours, hf_logprobs(load_oracle(model_dir), seqs))
+    from lora_eval.tasks.dump_reference import merged_copy
+    merged = merged_copy(load_oracle(model_dir), engine.adapters[0])
+    # the q_proj LoRA merged, (W + s B A) x, against PEFT's W x + s B (A x): float32 rounding apart (seen up to
+    # 1.3e-5 in logprobs of tied models; test_adapters.assert_close_to_merged); rows left unreplaced move them by
+    # tenths of a nat (assert_changes above)
+    assert_rows_close(hf_logprobs(merged, seqs), hf_logprobs(peft_oracle(model_dir, adapter_dir), seqs), tol=5e-5,
+                      what="merged copy")
+
+
 def test_added_tokens_are_refused_by_name(models, tmp_path, seed):
     model_dir = models["qwen3_moe"]
     meta = load_model(model_dir, device="meta")
     V, H = meta.args.vocab_size, meta.args.hidden_size
     g = torch.Generator().manual_seed(seed)
     x = "base_model.model.model.embed_tokens"
-    trainable = write(tmp_path / "t", {f"{x}.token_adapter.trainable_tokens_delta": randn(g, 2, H)},
-                      dict(peft_type="LORA", r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"],
-                           trainable_token_indices=[3, 7]))
-    with pytest.raises(UnsupportedError, match=r"trainable_token_indices: trainable tokens \(rows of embed_tokens "
-                                               r"/ lm_head replaced\) is not supported"):
-        load_adapter(trainable, "w", meta)
+    beyond = write(tmp_path / "t", {f"{x}.token_adapter.trainable_tokens_delta": randn(g, 2, H)},
+                   dict(peft_type="LORA", r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"],
+                        trainable_token_indices=[3, V + 1]))
+    with pytest.raises(UnsupportedError, match=f"trainable token id {V + 1} is outside the model's vocabulary of "
+                                               f"{V}: the adapter adds tokens"):
+        load_adapter(beyond, "w", meta)
+    missing = write(tmp_path / "m", {}, dict(peft_type="LORA", r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"],
+                                            trainable_token_indices=[3, 7]))
+    with pytest.raises(InputError, match="names embed_tokens, but the weights file holds no"):
+        load_adapter(missing, "w", meta)
     resized = write(tmp_path / "r", {f"{x}.weight": randn(g, V + 4, H), "base_model.model.lm_head.weight":
                                      randn(g, V + 4, H)},
                     dict(peft_type="LORA", r=RANK, lora_alpha=ALPHA, target_modules=["q_proj"],

@@ -21,12 +21,12 @@ IGNORED = {
 # Settings that decide the forward; which (layer, module) they cover is decided in targets.resolve_targets alone.
 HONOURED = {"peft_type", "r", "lora_alpha", "target_modules", "target_parameters", "layers_to_transform",
             "layers_pattern", "exclude_modules", "rank_pattern", "alpha_pattern", "use_rslora", "modules_to_save",
+            "trainable_token_indices",
             "peft_version", *UNSLOTH_KEYS}  # the writer's facts: writers.Writer
 # Features that change the forward and that the engine does not implement, with what PEFT calls them.
 REFUSED = {
     "use_dora": "DoRA (use_dora)", "lora_bias": "LoRA bias (lora_bias)", "bias": "trained biases (bias)",
     "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
-    "trainable_token_indices": "trainable tokens (rows of embed_tokens / lm_head replaced)",
     "layer_replication": "layer replication", "use_qalora": "QA-LoRA", "alora_invocation_tokens": "aLoRA",
     "megatron_config": "Megatron parallel layers", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
     "arrow_config": "Arrow routing", "kasa_config": "KaSA", "use_bdlora": "BD-LoRA",
@@ -54,6 +54,7 @@ class AdapterConfig:
     use_rslora: bool = False
     modules_to_save: list[str] = field(default_factory=list)
     writer: Writer = field(default_factory=Writer)
+    trainable_tokens: dict[str, list[int]] = field(default_factory=dict)  # module name -> token ids whose rows it sets
 
     @classmethod
     def read(cls, adapter_dir: Path) -> "AdapterConfig":
@@ -118,7 +119,7 @@ class AdapterConfig:
             exclude_modules=exclude if isinstance(exclude, str) else list(exclude or []),
             rank_pattern=dict(raw.get("rank_pattern") or {}), alpha_pattern=dict(raw.get("alpha_pattern") or {}),
             use_rslora=bool(raw.get("use_rslora")), modules_to_save=list(raw.get("modules_to_save") or []),
-            writer=Writer.read(path, raw),
+            writer=Writer.read(path, raw), trainable_tokens=_trainable_tokens(path, raw.get("trainable_token_indices")),
         )
 
     def rank_and_scaling(self, key: str) -> tuple[int, float]:
@@ -145,6 +146,22 @@ def _refuse_features(path: Path, raw: dict) -> None:
         raise UnsupportedError(path, f"an adapter initialised with '{init}' and saved without PEFT's conversion "
                                "applies to PEFT's residual base model, not to this one: save it with "
                                "path_initial_model_for_weight_conversion", key="init_lora_weights")
+
+
+def _trainable_tokens(path: Path, value) -> dict[str, list[int]]:
+    """PEFT's trainable_token_indices as {module name: token ids}: a list names rows of the input embedding (and of a
+    lm_head tied to it: PEFT ties their adapters), an object each module's own rows (peft tuners/lora/config.py,
+    LoraConfig.trainable_token_indices, since v0.15.0)."""
+    if not value:
+        return {}
+    entries = {"embed_tokens": value} if isinstance(value, list) else value
+    ok = isinstance(entries, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and v and len(set(v)) == len(v)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v) for k, v in entries.items())
+    if not ok:
+        raise InputError(path, f"expected a list of distinct token ids, or an object of module names to such lists, "
+                         f"found {value!r:.80}", key="trainable_token_indices")
+    return {k: list(v) for k, v in entries.items()}
 
 
 def _is_number(v) -> bool:

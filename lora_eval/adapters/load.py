@@ -47,6 +47,7 @@ GATE_UP_LAYOUTS = ("interleaved", "concatenated")  # row orders of a fused gate_
 SPLIT_LAYOUT = "split projection parts"  # Adapter.layouts: LoRA on parts of a fused projection (Tinker's in_proj_q)
 LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 EMBEDDING_KEY = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<ab>[AB])$")
+TOKENS_KEY = re.compile(r"^(?P<module>.+)\.token_adapter\.trainable_tokens_delta$")
 OVERRIDE_KEY = re.compile(r"^(?P<module>.+?)(?P<copy>\.modules_to_save\.[^.]+|\.base_layer)?\.(?P<param>weight|bias)$")
 
 
@@ -68,6 +69,8 @@ class Adapter:
     experts: dict[str, ExpertFactors] = field(default_factory=dict)
     embedding: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # A^T [V, r], B [H, r]
     overrides: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # site -> {weight, bias}
+    # trainable tokens (PEFT's trainable_token_indices): site -> (token ids [n], the rows that replace theirs [n, H])
+    token_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     layouts: set[str] = field(default_factory=set)
     targets: list[dict] = field(default_factory=list)  # one row per target for reports: site, kind, rank, ...
     skipped: list[str] = field(default_factory=list)  # keys for parts of the trainer's model that ours leaves out
@@ -227,6 +230,11 @@ class _Parser:
                     raise self.error(key, f"a second lora_{m['ab']} for {m['module']} (also {pair[m['ab']][0]})")
                 pair[m["ab"]] = (key, tensor)
                 return
+        m = TOKENS_KEY.match(k)
+        if m:
+            self._token_rows(key, m["module"], tensor)
+            return
+        k = k.replace(".token_adapter.base_layer.", ".base_layer.")  # PEFT's copy of the base weight beside them
         m = OVERRIDE_KEY.match(k)
         if m and m["module"] in self.weight_sites:
             self._override(key, m["module"], m["param"], m["copy"] or "", tensor)
@@ -262,6 +270,7 @@ class _Parser:
                 self._expert(module, a_key, A, b_key, B)
         self._join_split()
         self._join_experts()
+        self._tie_token_rows()
 
     def _refuse_split_shared_outer(self, module, key, tensor):
         """A [1, ...] factor alone under an expert's projection name, its partner under per-expert names: Megatron-
@@ -384,6 +393,42 @@ class _Parser:
             return
         self.adapter.overrides.setdefault(module, {})[param] = tensor
         self._report(module, None, None, tensor.numel(), "saved base_layer" if is_base_copy else "modules_to_save")
+
+    def _token_rows(self, key, module, rows):
+        """PEFT's trainable tokens: `rows` [n, H] replace the rows of the token ids trainable_token_indices names for
+        `module` (peft tuners/trainable_tokens/layer.py: index_copy of the saved rows, not a delta)."""
+        if module not in self.vocab_sites:
+            raise self.error(key, "trainable token rows for a module that is neither this model's token embedding "
+                             "nor its lm_head")
+        ids = next((v for name, v in self.config.trainable_tokens.items()
+                    if module == name or module.endswith("." + name)), None)
+        if ids is None:
+            raise self.error(key, f"trainable token rows for {module}, which adapter_config.json's "
+                             "trainable_token_indices does not name; PEFT would not load them")
+        V, H = self.weight_sites[module].weight.shape
+        if max(ids) >= V:
+            raise UnsupportedError(self.config.path, f"trainable token id {max(ids)} is outside the model's "
+                                   f"vocabulary of {V}: the adapter adds tokens, and lora-eval does not resize the "
+                                   "model's vocabulary", key="trainable_token_indices")
+        if tuple(rows.shape) != (len(ids), H):
+            raise self.error(key, f"shape {list(rows.shape)}, expected [{len(ids)}, {H}] (one row per token id of "
+                             "trainable_token_indices)")
+        if module in self.adapter.overrides:
+            raise UnsupportedError(self.wfile, f"both a saved copy of {module} and trainable tokens on it",
+                                   key=key)
+        self.adapter.token_rows[module] = (torch.tensor(ids, dtype=torch.long), rows)
+        self._report(module, None, None, rows.numel(), "trainable tokens")
+
+    def _tie_token_rows(self):
+        """A lm_head tied to the embedding shares its trainable tokens (PEFT ties the two adapters and saves the
+        embedding's rows alone); every module trainable_token_indices names must have its rows."""
+        embedding = next((s for s in self.adapter.token_rows if s in self.sites.embedding), None)
+        if embedding is not None and self.sites.tied_embeddings and "lm_head" in self.vocab_sites:
+            self.adapter.token_rows.setdefault("lm_head", self.adapter.token_rows[embedding])
+        for name in self.config.trainable_tokens:
+            if not any(s == name or s.endswith("." + name) for s in self.adapter.token_rows):
+                raise InputError(self.config.path, f"names {name}, but the weights file holds no "
+                                 "token_adapter.trainable_tokens_delta for it", key="trainable_token_indices")
 
     # ---- experts -------------------------------------------------------------------------------------
     def _expert(self, module, a_key, A, b_key, B):

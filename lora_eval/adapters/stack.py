@@ -106,7 +106,7 @@ class AdapterStack:
                 down_B=self._stack_experts(S, {i: p[1] for i, p in dn.items()}, (H,), E, rank_dim=2),
                 slots=frozenset(have),
             )
-        for site in sorted({s for a in adapters for s in a.overrides}):
+        for site in sorted({s for a in adapters for s in (*a.overrides, *a.token_rows)}):
             module = by_site[site]
             per_slot = {}
             for i, a in enumerate(adapters):
@@ -114,6 +114,12 @@ class AdapterStack:
                     own = a.overrides[site]
                     per_slot[i] = {p: own[p].to(self.device, self.dtype) if p in own else getattr(module, p).detach()
                                    for p in ("weight", "bias") if getattr(module, p, None) is not None}
+                elif site in a.token_rows:  # trainable tokens: the module's weight with the adapter's rows in it
+                    ids, rows = a.token_rows[site]
+                    weight = module.weight.detach().clone()  # [V, H]
+                    weight[ids.to(self.device)] = rows.to(self.device, self.dtype)
+                    per_slot[i] = {"weight": weight, **({"bias": module.bias.detach()} if getattr(
+                        module, "bias", None) is not None else {})}
             self.overrides[site] = Override(per_slot, frozenset(per_slot))
 
     def slot_of(self, name: str | None) -> int:

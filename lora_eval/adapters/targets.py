@@ -50,6 +50,7 @@ class Sites:
     skipped_modules: tuple[str, ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
     experts_transposed: bool = False  # transformers 5 stores the expert parameters [E, in, out]: HF_TRANSPOSED_EXPERTS
+    tied_embeddings: bool = False  # lm_head is the token embedding (tie_word_embeddings)
 
     @classmethod
     def of(cls, model) -> "Sites":
@@ -72,7 +73,8 @@ class Sites:
                    unsupported_parameters=unsupported(n for n, _ in model.named_parameters()),
                    skipped_modules=tuple(getattr(family, "ADAPTER_SKIPPED_MODULES", ())),
                    skipped_prefixes=tuple(getattr(family, "ADAPTER_SKIPPED_PREFIXES", ())),
-                   experts_transposed=model.args.model_type in HF_TRANSPOSED_EXPERTS)
+                   experts_transposed=model.args.model_type in HF_TRANSPOSED_EXPERTS,
+                   tied_embeddings=bool(getattr(model.args, "tie_word_embeddings", False)))
 
     def module_names(self) -> list[str]:
         """Names that `target_modules` can match: modules, and each expert's projections as PEFT would see them."""

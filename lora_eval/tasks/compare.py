@@ -324,11 +324,11 @@ def unchanged_adapters(adapters: list[Adapter]) -> dict[str, str]:
         experts = [part for factors in adapter.experts.values() for part in (factors.gate_up, factors.down)
                    if part is not None]
         pairs = list(adapter.dense.values()) + list(adapter.embedding.values()) + experts
-        if not pairs and not adapter.overrides:
+        if not pairs and not adapter.overrides and not adapter.token_rows:
             skipped = f" ({len(adapter.skipped)} keys for modules this model leaves out)" if adapter.skipped else ""
             found[adapter.name] = f"matched no module of this model: none of its LoRA weights applies{skipped}"
-        elif adapter.overrides:
-            continue  # modules_to_save copies may change the model: the logprobs decide
+        elif adapter.overrides or adapter.token_rows:
+            continue  # modules_to_save copies and trainable tokens may change the model: the logprobs decide
         elif not any(bool(B.any()) for _, B in pairs):
             found[adapter.name] = "every lora_B is zero"
         elif not any(bool(A.any()) and bool(B.any()) for A, B in pairs):

@@ -191,6 +191,9 @@ def merged_copy(model, adapter):
     for site, params in adapter.overrides.items():
         for param, value in params.items():
             getattr(merged.get_submodule(site), param).copy_(value)
+    for site, (ids, rows) in adapter.token_rows.items():  # trainable tokens: their rows replaced
+        weight = merged.get_submodule(site).weight
+        weight[ids] = rows.to(weight)
     for site, factors in adapter.experts.items():
         experts = merged.get_submodule(site)
         for name, part in (("gate_up_proj", factors.gate_up), ("down_proj", factors.down)):
