@@ -126,6 +126,7 @@ def framework_kit(root: Path, frame: pd.DataFrame, config: dict, seed: int = 0) 
     rollouts/step_3/rank_0.bin (prime-rl, the latter at temperature 1.0 per token), dump/train_data/3.pt (slime) and
     gen_batch.dp (a pickle, as verl's: refused). Routes are random experts of the model `config` describes."""
     rng = np.random.default_rng(seed)
+    experts = config.get("num_experts") or config["num_local_experts"]
     truth = []
     for ids, logprobs, mask, sampler in frame[["input_ids", "logprobs", "mask", "sampler_logprobs"]].itertuples(
             index=False, name=None):
@@ -134,7 +135,7 @@ def framework_kit(root: Path, frame: pd.DataFrame, config: dict, seed: int = 0) 
         lp = np.asarray(logprobs, dtype=np.float64)
         truth.append(dict(ids=np.asarray(ids), mask=mask, trainer=lp, prompt=int(np.argmax(mask)) + 1,
                           sampler=lp if sampler is None else np.asarray(sampler, dtype=np.float64),
-                          temperature=np.ones(n), routes=np.stack([rng.permutation(config["num_experts"])[
+                          temperature=np.ones(n), routes=np.stack([rng.permutation(experts)[
                               :config["num_experts_per_tok"]] for _ in range(n * config["num_hidden_layers"])]
                               ).reshape(n, config["num_hidden_layers"], config["num_experts_per_tok"])))
     for name, write in [("logs/train_data_step3.jsonl", nemo_rl_file),
