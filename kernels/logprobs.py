@@ -1,9 +1,12 @@
 """Fused lm_head + log_softmax + gather: per-token logprobs without the [N, V] logits.
 
-  logprobs[i] = log_softmax(hidden[i] @ weight^T (+ bias))[targets[i]]
+  logprobs[i] = log_softmax((hidden[i] @ weight^T (+ bias)) / temperature[i])[targets[i]]
 
 Shapes: hidden [N, H] and weight [V, H] (bf16 / fp16 / fp32, one dtype), bias [V] or None (same dtype),
-targets [N] int64 (or int32) -> logprobs [N] float32.
+targets [N] int64 (or int32), temperature [N] float32 or None (1) -> logprobs [N] float32.
+The temperature divides the fp32 logits inside the kernel: a sampler's logprobs at T != 1 are those of the tempered
+distribution (the sampler samples from it and RL trainers score at it), and scaling the hidden states instead would
+round them to the input dtype and also scale a bias the wrong way.
 
 Kernel 1 (`_partial_kernel`), grid (cdiv(N, BLOCK_N), V_SPLITS): each program owns BLOCK_N rows and
 TILES consecutive BLOCK_V tiles of V; per tile it computes the logits with tl.dot (fp32 accumulation over
@@ -37,11 +40,11 @@ FP32_DOT = "tf32x3"  # fp32 inputs: 3 TF32 tensor-core products, about fp32 accu
 
 @triton.jit(do_not_specialize=["N"])
 def _partial_kernel(
-    h_ptr, w_ptr, b_ptr, tgt_ptr,  # [N, H], [V, H], [V] (or dummy), [N]
+    h_ptr, w_ptr, b_ptr, tgt_ptr, temp_ptr,  # [N, H], [V, H], [V] (or dummy), [N], [N] fp32 (or dummy)
     m_ptr, l_ptr, t_ptr,  # fp32 scratch [V_SPLITS, N]: running max, sum of exp(logit - max), target logit
     N, V,
     stride_hn, stride_hh, stride_wv, stride_wh,
-    H: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr,  # TILES: BLOCK_V tiles per split
+    H: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,  # TILES: per split
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,  # TMA: h_ptr and w_ptr are tensor descriptors
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -52,6 +55,8 @@ def _partial_kernel(
     row_ok = rows < N
     rows_safe = tl.where(row_ok, rows, 0).to(tl.int64)
     tgt = tl.load(tgt_ptr + rows_safe, mask=row_ok, other=-1).to(tl.int64)  # [BN]
+    if HAS_TEMP:
+        temp = tl.load(temp_ptr + rows_safe, mask=row_ok, other=1.0)  # [BN]
     offs_h = tl.arange(0, BLOCK_H)  # [BH]
     offs_v = tl.arange(0, BLOCK_V)  # [BV]
 
@@ -79,6 +84,8 @@ def _partial_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols_safe).to(tl.float32)[None, :]
+        if HAS_TEMP:
+            acc = acc / temp[:, None]
         logits = tl.where(col_ok[None, :], acc, float("-inf"))  # [BN, BV]
         m_new = tl.maximum(m, tl.max(logits, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoids -inf - -inf when a row is all -inf
@@ -139,12 +146,13 @@ def split_vocab(n: int, v: int, device: torch.device, v_splits: int | None = Non
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                   v_splits: int | None = None, tiles: dict | None = None) -> torch.Tensor:
-    """float32 [N] log_softmax(hidden @ weight.T + bias)[targets], fp32 logits, no [N, V] tensor.
+                   bias: torch.Tensor | None = None, *, temperature: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None, v_splits: int | None = None, tiles: dict | None = None
+                   ) -> torch.Tensor:
+    """float32 [N] log_softmax((hidden @ weight.T + bias) / temperature)[targets], fp32 logits, no [N, V] tensor.
 
-    `out` (float32 [N]) is written in place if given; `v_splits` overrides the host-side choice; `tiles`: launch
-    settings over LOGPROBS_TILES (kernels/tiles.py).
+    `temperature`: float32 [N], one per row (None: 1); `out` (float32 [N]) is written in place if given;
+    `v_splits` overrides the host-side choice; `tiles`: launch settings over LOGPROBS_TILES (kernels/tiles.py).
     """
     t = {**LOGPROBS_TILES, **(tiles or {})}
     N, H = hidden.shape
@@ -155,6 +163,9 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if bias is not None:
         assert bias.shape == (V,) and bias.dtype == hidden.dtype
         bias = bias.contiguous()
+    if temperature is not None:
+        assert temperature.shape == (N,) and temperature.dtype == torch.float32
+        temperature = temperature.contiguous()
     targets = targets.contiguous()
     if out is None:
         out = torch.empty(N, dtype=torch.float32, device=hidden.device)
@@ -170,10 +181,11 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     w_arg = TensorDescriptor.from_tensor(weight, [t["BLOCK_V"], t["BLOCK_H"]]) if tma else weight
     _partial_kernel[(triton.cdiv(N, t["BLOCK_N"]), splits)](
         h_arg, w_arg, bias if bias is not None else hidden, targets,
+        temperature if temperature is not None else scratch[0],
         scratch[0], scratch[1], scratch[2],
         N, V,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        H=H, TILES=v_tiles, HAS_BIAS=bias is not None,
+        H=H, TILES=v_tiles, HAS_BIAS=bias is not None, HAS_TEMP=temperature is not None,
         DOT_PRECISION=FP32_DOT if hidden.dtype == torch.float32 else "ieee",  # ignored for 2-byte inputs
         TMA=tma, BLOCK_N=t["BLOCK_N"], BLOCK_V=t["BLOCK_V"], BLOCK_H=t["BLOCK_H"],
         num_warps=t["NUM_WARPS"], num_stages=stages,
@@ -185,9 +197,11 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 
 def token_logprobs_ref(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch; the logits are rounded to the input dtype before the fp32 softmax (as a bf16 model)."""
+                       bias: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch; the logits are rounded to the input dtype before the fp32 softmax (as a bf16 model), then
+    divided by the row's temperature (float32 [N], None: 1)."""
     logits = hidden @ weight.T  # [N, V], input dtype
     if bias is not None:
         logits = logits + bias
-    return torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]
+    logits = logits.float() if temperature is None else logits.float() / temperature[:, None]  # [N, V]
+    return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]

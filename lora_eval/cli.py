@@ -283,6 +283,8 @@ def inspect_cmd(**arguments):
 @click.option("--prompts", required=True, type=click.Path(), help="JSONL: input_ids | text | prompt+response, "
               "optional sample_id, adapter (null: the base model), mask.")
 @click.option("--out", required=True, type=click.Path(), help="Reference dump to write (.parquet).")
+@click.option("--temperature", default=1.0, type=Number(), show_default=True, metavar="T",
+              help="Score at this sampling temperature: log_softmax(logits / T), recorded in the dump.")
 @click.option("--default-adapter", default=None, metavar="NAME",
               help="Adapter of prompts without an 'adapter' field (default: the only --adapter given; 'base': the "
                    "base model).")
@@ -306,6 +308,12 @@ def dump_reference_cmd(**arguments):
 @click.option("--max-k2-over-floor", default=None, type=Number(), metavar="X",
               help="Fail a row whose k2 exceeds X times the sampler's noise floor: k2 of ref - sampler over the "
                    "references' base rows (off when they carry no sampler logprobs).")
+@click.option("--max-routing-flip-rate", default=None, type=Number(), metavar="X",
+              help="Fail a row whose share of (scored position, MoE layer) pairs routed to another expert set than "
+                   "the references' routed_experts exceeds X (off when they carry none).")
+@click.option("--temperature", default=None, type=Number(), metavar="T",
+              help="The sampling temperature of references that record none (required for RL framework dumps "
+                   "that apply one without recording it); logprobs are those of logits / T.")
 @click.option("--no-adapter-check", is_flag=True,
               help="Skip the adapter applied gate (which fails an adapter whose files or logprobs show it changes "
                    "nothing), e.g. for an adapter that is meant to be the identity.")

@@ -74,26 +74,30 @@ def inspect_model(model_dir, adapters, gate_up_layout):
     for name, group in table.groupby("adapter", sort=False):
         click.echo(f"\nadapter {name}: layout {group['layout'].iloc[0]}, "
                    f"{int(group['params'].sum()):,} parameters")
+        writer, *decisions = group["writer"].iloc[0].split("\n")
+        click.echo(f"writer: {writer}" + "".join(f"\n  read: {d}" for d in decisions))
         with pd.option_context("display.width", 200, "display.max_rows", 500):
-            click.echo(group.drop(columns=["adapter", "layout"]).to_string(index=False))
+            click.echo(group.drop(columns=["adapter", "layout", "writer"]).to_string(index=False))
 
 
-def dump_reference_command(model_dir, adapters, prompts, out, default_adapter, device, dtype, gate_up_layout,
-                           overwrite, quiet):
+def dump_reference_command(model_dir, adapters, prompts, out, default_adapter, temperature, device, dtype,
+                           gate_up_layout, overwrite, quiet):
     frame = dump_reference(model_dir, adapters, prompts, out, options=engine_options(device, dtype, gate_up_layout),
-                           quiet=quiet, overwrite=overwrite, default_adapter=default_adapter, notice=notice)
+                           quiet=quiet, overwrite=overwrite, default_adapter=default_adapter, temperature=temperature,
+                           notice=notice)
     if speaks():
         click.echo(f"{out}: {len(frame)} samples ({sum(len(i) - 1 for i in frame['input_ids'])} logprobs)")
 
 
 def compare_command(model_dir, adapters, references, out, batch_tokens, max_k2, max_mean_abs_diff, max_k2_over_floor,
-                    no_adapter_check, junit_path, overwrite, quiet, **engine):
+                    max_routing_flip_rate, temperature, no_adapter_check, junit_path, overwrite, quiet, **engine):
     with together(Ranks.from_env()):  # every rank checks it, one line says what is wrong (distributed.py)
         check_replaceable(check_out(junit_path, "--junit", single_file=True,
                                    inputs=run_inputs(model_dir, adapters, reference=references), run=out), "--junit")
     result = compare(model_dir, adapters, references, out=out, options=engine_options(**engine),
                      batch_tokens=batch_tokens, max_k2=max_k2, max_mean_abs_diff=max_mean_abs_diff,
-                     max_k2_over_floor=max_k2_over_floor, check_adapters=not no_adapter_check, quiet=quiet,
+                     max_k2_over_floor=max_k2_over_floor, max_routing_flip_rate=max_routing_flip_rate,
+                     temperature=temperature, check_adapters=not no_adapter_check, quiet=quiet,
                      overwrite=overwrite, notice=notice)
     finish(result, out, junit_path)
 

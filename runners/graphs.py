@@ -116,13 +116,17 @@ class _Graph:
     ids: torch.Tensor  # [rows, length] static input
     token_slots: torch.Tensor  # [rows * length] static input
     hidden: torch.Tensor  # [rows * length, H] static output
+    routes: list | None  # static outputs: (layer, expert ids [rows * length, k], weights) per MoE layer, if recorded
 
 
 class GraphRunner:
     """`replay(ids, slots)` -> (hidden states [rows * length, H] of the padded batch, the length it was padded
-    to), or None when the batch must run eagerly; `ids` [B, L] on the CPU, `slots` one adapter slot per row
-    (-1: none). `build(ids, token_slots, lora)` returns the hidden states of a forward over device tensors; it
-    is what gets captured. The hidden states live in a static buffer: use them before the next replay."""
+    to, the routes it recorded or None), or None when the batch must run eagerly; `ids` [B, L] on the CPU, `slots`
+    one adapter slot per row (-1: none). `build(ids, token_slots, lora, routes=list)` returns the hidden states of a
+    forward over device tensors (appending each MoE layer's routing to the list: Forward's `routes`); it is what
+    gets captured. With `record_routes` set, graphs captured from then on keep their routing as further static
+    outputs (memory: ids and weights of each MoE layer), and only they replay a batch that asks for routes. The
+    outputs live in static buffers: use them before the next replay."""
 
     def __init__(self, build, device: torch.device, plan: BucketPlan | None = None):
         self.build = build
@@ -134,15 +138,16 @@ class GraphRunner:
         self.replays = 0
         self.eager = 0
         self.capture_s = 0.0  # seconds of warm-up (Triton compiles) and capture, device work included
+        self.record_routes = False
 
-    def replay(self, ids: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, int] | None:
+    def replay(self, ids: torch.Tensor, slots: list[int], routes: bool = False) -> tuple | None:
         B, L = ids.shape
         lora = max(slots) >= 0
         shape = self.plan.bucket(B, L, lora)
         key = (*shape, lora) if shape else None
         if key is not None and key not in self.graphs and self.plan.may_capture(self.pool_bytes):
             self.graphs[key] = self._capture(*key)
-        if key is None or key not in self.graphs:
+        if key is None or key not in self.graphs or (routes and self.graphs[key].routes is None):
             self.eager += 1
             return None
         g = self.graphs[key]
@@ -151,7 +156,7 @@ class GraphRunner:
         g.token_slots.copy_(token_slots.pin_memory(), non_blocking=True)
         g.graph.replay()
         self.replays += 1
-        return g.hidden, shape[1]
+        return g.hidden, shape[1], g.routes
 
     def _capture(self, rows: int, length: int, lora: bool) -> _Graph:
         with COMPILE_CLOCK.paused():  # its compiles are in capture_s
@@ -181,7 +186,8 @@ class GraphRunner:
             # GPU").
             with torch.cuda.graph(graph, pool=self.pool, stream=side):  # entering empties the allocator's cache
                 before = torch.cuda.memory_reserved(self.device)  # so measure inside
-                hidden = self.build(ids, token_slots, lora)  # [rows * length, H]
+                routes = [] if self.record_routes else None
+                hidden = self.build(ids, token_slots, lora, routes=routes)  # [rows * length, H]
         finally:
             if collecting:
                 gc.enable()
@@ -189,7 +195,7 @@ class GraphRunner:
         self.plan.captured[(rows, length, lora)] = self.pool_bytes
         torch.cuda.synchronize(self.device)  # the warm-up's kernels done: their time is the capture's
         self.capture_s += time.perf_counter() - t0
-        return _Graph(graph, ids, token_slots, hidden)
+        return _Graph(graph, ids, token_slots, hidden, routes)
 
     def stats(self) -> dict:
         return dict(graphs=len(self.graphs), buckets=sorted({k[:2] for k in self.graphs}),

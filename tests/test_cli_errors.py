@@ -104,7 +104,7 @@ def parse_report(stdout: str) -> dict[str, dict]:
             current = adapters[m[1]] = dict(layout=m[2], total=int(m[3].replace(",", "")), rows={})
             continue
         fields = line.split()
-        if current is None or not fields or fields[0] == "kind":
+        if current is None or not fields or fields[0] in ("kind", "writer:", "read:"):  # header, writer lines
             continue
         kind, part, layers, rank, scaling, params = fields
         current["rows"][(kind, part)] = (int(layers), rank, scaling, int(params))

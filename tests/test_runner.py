@@ -144,7 +144,7 @@ def test_no_garbage_collection_inside_a_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", graph)
     collected = []
     monkeypatch.setattr(gc, "collect", lambda *a: collected.append(len(recording)) or 0)
-    runner = graphs.GraphRunner(lambda ids, slots, lora: seen.append((bool(recording), gc.isenabled())) or
+    runner = graphs.GraphRunner(lambda ids, slots, lora, routes=None: seen.append((bool(recording), gc.isenabled())) or
                                 torch.zeros(ids.numel(), 4), torch.device("cpu"))
     assert gc.isenabled()
     runner._capture(2, 16, True)

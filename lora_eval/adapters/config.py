@@ -9,21 +9,24 @@ from pathlib import Path
 
 from ..errors import InputError, UnsupportedError
 from ..models.checkpoint import read_json
+from .writers import UNSLOTH_KEYS, Writer
 
 # Settings that only matter for training or initialisation: inference ignores them (init_lora_weights is checked
 # below: some of its values mean a different base model).
 IGNORED = {
-    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+    "task_type", "auto_mapping", "base_model_name_or_path", "revision", "inference_mode",
     "lora_dropout", "init_lora_weights", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
     "megatron_core", "qalora_group_size", "runtime_config", "target_modules_to_tie",
 }
 # Settings that decide the forward; which (layer, module) they cover is decided in targets.resolve_targets alone.
 HONOURED = {"peft_type", "r", "lora_alpha", "target_modules", "target_parameters", "layers_to_transform",
-            "layers_pattern", "exclude_modules", "rank_pattern", "alpha_pattern", "use_rslora", "modules_to_save"}
+            "layers_pattern", "exclude_modules", "rank_pattern", "alpha_pattern", "use_rslora", "modules_to_save",
+            "peft_version", *UNSLOTH_KEYS}  # the writer's facts: writers.Writer
 # Features that change the forward and that the engine does not implement, with what PEFT calls them.
 REFUSED = {
     "use_dora": "DoRA (use_dora)", "lora_bias": "LoRA bias (lora_bias)", "bias": "trained biases (bias)",
-    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "trainable_token_indices": "trainable tokens",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
+    "trainable_token_indices": "trainable tokens (rows of embed_tokens / lm_head replaced)",
     "layer_replication": "layer replication", "use_qalora": "QA-LoRA", "alora_invocation_tokens": "aLoRA",
     "megatron_config": "Megatron parallel layers", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
     "arrow_config": "Arrow routing", "kasa_config": "KaSA", "use_bdlora": "BD-LoRA",
@@ -50,6 +53,7 @@ class AdapterConfig:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     use_rslora: bool = False
     modules_to_save: list[str] = field(default_factory=list)
+    writer: Writer = field(default_factory=Writer)
 
     @classmethod
     def read(cls, adapter_dir: Path) -> "AdapterConfig":
@@ -114,6 +118,7 @@ class AdapterConfig:
             exclude_modules=exclude if isinstance(exclude, str) else list(exclude or []),
             rank_pattern=dict(raw.get("rank_pattern") or {}), alpha_pattern=dict(raw.get("alpha_pattern") or {}),
             use_rslora=bool(raw.get("use_rslora")), modules_to_save=list(raw.get("modules_to_save") or []),
+            writer=Writer.read(path, raw),
         )
 
     def rank_and_scaling(self, key: str) -> tuple[int, float]:

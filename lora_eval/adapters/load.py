@@ -11,6 +11,8 @@ Expert layouts read (keys after `base_model.model.`, `{x}` = `model.layers.{i}.m
   target_parameters (PEFT ParamWrapper; gate_up inner, down outer; told apart by shape)
                    {x}.base_layer.lora_A.weight [r*E, H] (expert-major), lora_B [2I, r*E] (rank-major)
                    {x}.lora_A.weight [r*E, I], {x}.lora_B.weight [H, r*E]
+                   or, as PEFT 0.17-0.19.0 and Megatron-Bridge wrote them, swapped (A on the output side), and with
+                   Unsloth's or Bridge's expert-major B: the writer decides (writers.py; Adapter.decisions says how)
 Split projections: LoRA on parts of a projection the checkpoint fuses (Tinker's Qwen3.5 `linear_attn.in_proj_q`,
 `in_proj_k`, `in_proj_v`, each A [r, H], B [part rows, r], for the fused `in_proj_qkv`) becomes one LoRA of the fused
 projection, A stacked, B block-diagonal (a family's adapter_split_projections says which parts, in row order).
@@ -38,6 +40,7 @@ from ..models.checkpoint import TensorFiles
 from ..models.layers import deinterleave_gate_up
 from .config import AdapterConfig
 from .targets import EXPERT_PROJ, EXPERT_PROJ_3D, Sites, kind_of, layer_of, peft_view, resolve_targets
+from .writers import B_ORDERS, RANK_MAJOR, STANDARD, SWAPPED, decide
 
 PREFIX = "base_model.model."
 GATE_UP_LAYOUTS = ("interleaved", "concatenated")  # row orders of a fused gate_up LoRA B
@@ -68,6 +71,7 @@ class Adapter:
     layouts: set[str] = field(default_factory=set)
     targets: list[dict] = field(default_factory=list)  # one row per target for reports: site, kind, rank, ...
     skipped: list[str] = field(default_factory=list)  # keys for parts of the trainer's model that ours leaves out
+    decisions: list[str] = field(default_factory=list)  # how the writer's layout was read (writers.py), for inspect
 
     def max_rank(self) -> int:
         ranks = [A.shape[-2] for A, _ in self.dense.values()] + [A.shape[-1] for A, _ in self.embedding.values()]
@@ -193,6 +197,7 @@ class _Parser:
         self.gate_up_layout = gate_up_layout
         self.targeted = set(targeted)
         self.weight_sites = {**sites.linear, **sites.norm, **sites.embedding}  # modules_to_save candidates
+        self.vocab_sites = {*sites.embedding, *(s for s in sites.linear if s == "lm_head")}  # [V, H] weights
         self.config = adapter.config
         self.pairs: dict[tuple[str, str], dict[str, tuple[str, torch.Tensor]]] = {}  # (module, family) -> A/B
         self.expert_parts: dict[str, dict[str, tuple]] = {}  # expert site -> part name -> (A, B)
@@ -229,6 +234,9 @@ class _Parser:
         raise self.error(key, "matches no module of this model; was the adapter made for another architecture?")
 
     def finish(self):
+        for (module, _), ab in self.pairs.items():
+            if len(ab) == 1:
+                self._refuse_split_shared_outer(module, *next(iter(ab.values())))
         for (module, family), ab in self.pairs.items():
             for side in "AB":
                 if side not in ab:
@@ -254,6 +262,17 @@ class _Parser:
                 self._expert(module, a_key, A, b_key, B)
         self._join_split()
         self._join_experts()
+
+    def _refuse_split_shared_outer(self, module, key, tensor):
+        """A [1, ...] factor alone under an expert's projection name, its partner under per-expert names: Megatron-
+        Bridge's experts_shared_outer_loras export (peft_bridge.py `_stream_shared_outer_adapter_weights`, 067f987d;
+        Bridge itself refused to save it there, and the later format is unconfirmed)."""
+        site = self._expert_site(module)
+        if site is not None and tensor.dim() == 3 and tensor.shape[0] == 1 and \
+                re.fullmatch(r"\.(\w+)", module[len(site):]) and module.rsplit(".", 1)[1] in EXPERT_PROJ:
+            raise UnsupportedError(self.wfile, "a shared factor [1, ...] whose partner is stored per expert "
+                                   "(Megatron-Bridge's experts_shared_outer_loras export) is not supported; export "
+                                   "with expand_shared_outer=True (per-expert names)", key=key)
 
     def _expert_site(self, module: str) -> str | None:
         return next((s for s in self.sites.experts if module == s or module.startswith(s + ".")), None)
@@ -345,6 +364,11 @@ class _Parser:
         if base is None:
             raise self.error(key, f"the model's {module} has no {param}")
         if tuple(tensor.shape) != tuple(base.shape):
+            if module in self.vocab_sites and tensor.dim() == 2 and tensor.shape[1:] == base.shape[1:]:
+                extra = tensor.shape[0] - base.shape[0]
+                raise UnsupportedError(self.wfile, f"{tensor.shape[0]} rows for the model's {base.shape[0]}: the "
+                                       f"adapter {'adds' if extra > 0 else 'removes'} {abs(extra)} tokens, and "
+                                       "lora-eval does not resize the model's vocabulary", key=key)
             if is_base_copy:
                 raise UnsupportedError(self.wfile, f"saved base layer of shape {list(tensor.shape)} differs from the "
                                        f"model's {list(base.shape)}: resized vocabularies are not supported", key=key)
@@ -400,32 +424,50 @@ class _Parser:
         raise self.error(a_key, "matches no module of this model; was the adapter made for another architecture?")
 
     def _param_wrapper(self, site, E, H, I, a_key, A, b_key, B):
-        """PEFT target_parameters: A [r*E, in] expert-major, B [out, r*E] rank-major; which param from the shape."""
+        """PEFT target_parameters (ParamWrapper): which parameter from the shapes, its orientation and B column order
+        from the writer (writers.py); A rows expert-slowest. Standard: A [r*E, in], B [out, r*E]; swapped (A on the
+        output side): A [r*E, out], B [in, r*E], delta A_e^T B_e^T."""
         if A.dim() != 2 or B.dim() != 2:
             raise self.error(a_key, f"expected 2D target_parameters factors, found {list(A.shape)} and {list(B.shape)}")
-        if (A.shape[1], B.shape[0]) == (H, 2 * I):
-            part, param, out = "gate_up", "gate_up_proj", 2 * I
-        elif (A.shape[1], B.shape[0]) == (I, H):
-            part, param, out = "down", "down_proj", H
-        else:
+        fits = (((H, 2 * I), "gate_up", STANDARD), ((2 * I, H), "gate_up", SWAPPED), ((I, H), "down", STANDARD),
+                ((H, I), "down", SWAPPED))  # (A's dim 1, B's dim 0): both orientations where a parameter is square
+        found = [(part, o) for dims, part, o in fits if dims == (A.shape[1], B.shape[0])]
+        if not found:
             raise self.error(a_key, f"shapes {list(A.shape)} / {list(B.shape)} fit neither gate_up_proj "
-                             f"([r*{E}, {H}] / [{2 * I}, r*{E}]) nor down_proj ([r*{E}, {I}] / [{H}, r*{E}])")
+                             f"([r*{E}, {H}] / [{2 * I}, r*{E}], or swapped [r*{E}, {2 * I}] / [{H}, r*{E}]) nor "
+                             f"down_proj ([r*{E}, {I}] / [{H}, r*{E}], or swapped [r*{E}, {H}] / [{I}, r*{E}])")
+        part = found[0][0]
+        param, out = f"{part}_proj", (2 * I if part == "gate_up" else H)
         if A.shape[0] % E or B.shape[1] != A.shape[0]:
             raise self.error(a_key, f"rank dim {A.shape[0]} (B: {B.shape[1]}) is not r*{E} for {E} experts")
         if f"{site}.{param}" not in self.targeted and site not in self.targeted:
             raise self.error(a_key, f"LoRA weights for {site}.{param}, which adapter_config.json does not target "
                              "(target_modules / target_parameters / exclude_modules); PEFT would not load them")
+        writer = self.config.writer
+        oriented, how = decide(writer, self.sites.experts_transposed, tuple(o for _, o in found), self.config.path,
+                               "peft_version")
+        order = writer.b_order(param)
+        self._decided(f"{param}: {how}; B columns {B_ORDERS[order]} ({writer.b_source(param)})")
         r = A.shape[0] // E
         scaling = self._scaling(a_key, f"{site}.{param}", r)
-        A3 = A.reshape(E, r, A.shape[1])  # [E, r, in]
-        # [E, out, r], a view: a strided copy here would cost the load far more than scaling the view
-        # (BENCHMARKS-history 13 and 18.3); the AdapterStack copies the factor to the compute device as it lies in
-        # memory and reorders it there
-        B3 = B.reshape(out, r, E).permute(2, 0, 1)
+        # views, no copies: a strided copy here would cost the load far more than scaling the view (BENCHMARKS-history
+        # 13 and 18.3); the AdapterStack copies the factor to the compute device as it lies and reorders it there
+        if oriented == STANDARD:
+            A3, B3 = A.reshape(E, r, A.shape[1]), _expert_columns(B, E, r, order)  # [E, r, in], [E, out, r]
+        else:
+            A3, B3 = _expert_columns(B, E, r, order).transpose(1, 2), A.reshape(E, r, out).transpose(1, 2)
         if part == "gate_up" and self.sites.experts[site].interleaved_gate_up:  # the delta of the model's own param
             B3 = deinterleave_gate_up(B3, dim=1)  # [E, 2I, r]: gate rows, then up rows
         self._set_part(site, part, A3, self._fold(b_key, B3, scaling), a_key, r, scaling)
         self.adapter.layouts.add("PEFT target_parameters")
+
+    def _decided(self, decision: str):
+        """Record how the writer's layout was read (inspect prints it); an ambiguous reading also warns, once."""
+        if decision in self.adapter.decisions:
+            return
+        self.adapter.decisions.append(decision)
+        if "AMBIGUOUS" in decision:
+            warnings.warn(f"adapter '{self.adapter.name}' ({self.adapter.path}): {decision}", stacklevel=2)
 
     def _fused_gate_up_interleaved(self, experts, key) -> bool:
         """Whether a fused 3D gate_up B alternates gate and up rows: `gate_up_layout` when given; else [gate; up],
@@ -495,6 +537,14 @@ class _Parser:
     def _report(self, site, r, scaling, params, what):
         self.adapter.targets.append(dict(site=site, kind=kind_of(site), part=what, layer=layer_of(site), rank=r,
                                          scaling=scaling, params=params))
+
+
+def _expert_columns(M: torch.Tensor, E: int, r: int, order: str) -> torch.Tensor:
+    """[d, r*E] packed columns -> [E, d, r] (a view): column j*E + e (RANK_MAJOR, PEFT's) or e*r + j (Unsloth's
+    pre-#1269 GROUPED_BY_EXPERT, Megatron-Bridge's) is expert e's rank j."""
+    if order == RANK_MAJOR:
+        return M.reshape(M.shape[0], r, E).permute(2, 0, 1)
+    return M.reshape(M.shape[0], E, r).permute(1, 0, 2)
 
 
 def _block_gate_up(gate, up, I):

@@ -22,6 +22,10 @@ PEFT_MOE_CONVERSION = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_p
                        "down_proj": "down_proj"}
 PEFT_FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
 ALL_LINEAR = ("all-linear", "all")
+# model types whose transformers-5 expert parameters are stored [E, in, out] (`@use_experts_implementation(
+# is_transposed=True)`: transformers 5.24 models/gpt_oss/modeling_gpt_oss.py); every other family's are [E, out, in].
+# PEFT's orientation of a target_parameters LoRA depends on it (writers.orientation)
+HF_TRANSPOSED_EXPERTS = ("gpt_oss",)
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Sites:
     # entries that may match nothing here; ADAPTER_SKIPPED_PREFIXES, weight keys whose LoRA is skipped
     skipped_modules: tuple[str, ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
+    experts_transposed: bool = False  # transformers 5 stores the expert parameters [E, in, out]: HF_TRANSPOSED_EXPERTS
 
     @classmethod
     def of(cls, model) -> "Sites":
@@ -66,7 +71,8 @@ class Sites:
                    split=split, unsupported_modules=unsupported(n for n, _ in model.named_modules()),
                    unsupported_parameters=unsupported(n for n, _ in model.named_parameters()),
                    skipped_modules=tuple(getattr(family, "ADAPTER_SKIPPED_MODULES", ())),
-                   skipped_prefixes=tuple(getattr(family, "ADAPTER_SKIPPED_PREFIXES", ())))
+                   skipped_prefixes=tuple(getattr(family, "ADAPTER_SKIPPED_PREFIXES", ())),
+                   experts_transposed=model.args.model_type in HF_TRANSPOSED_EXPERTS)
 
     def module_names(self) -> list[str]:
         """Names that `target_modules` can match: modules, and each expert's projections as PEFT would see them."""

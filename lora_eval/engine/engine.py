@@ -131,10 +131,16 @@ class Batch:
     """`prefixes`: per row, how many of its leading tokens are a prefix it shares with other rows (0: none; None:
     no row has one). The engine computes such a prefix once per (prefix tokens, adapter) and runs only the rest of
     the row (engine/prefixes.py); what comes back is what the whole row gives, equal within rounding. A prefix
-    must leave at least one token of its row."""
+    must leave at least one token of its row.
+    `temperatures`: per row None (1), one number, or one per predicted position (len(row) - 1): the logprobs are
+    those of logits / T (a sampler's tempered distribution); None: every row at 1.
+    `routes`: also return, per row, the experts each MoE layer chose at each predicted position and their routing
+    weights (`Engine.start_logprobs`)."""
     input_ids: list[list[int]]
     adapters: list[str | None]  # one per row; None = base model
     prefixes: list[int] | None = None
+    temperatures: list | None = None
+    routes: bool = False
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.adapters):
@@ -146,6 +152,23 @@ class Batch:
                 if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(ids):
                     raise InputError(f"row {i}", f"a shared prefix must be an integer from 0 to the row's length "
                                      f"minus 1 ({len(ids) - 1}), found {p!r}")
+        if self.temperatures is not None:
+            if len(self.temperatures) != len(self.input_ids):
+                raise ValueError(f"{len(self.input_ids)} sequences but {len(self.temperatures)} temperatures")
+            self.temperatures = [_row_temperatures(t, len(ids), i) for i, (t, ids) in
+                                 enumerate(zip(self.temperatures, self.input_ids))]
+
+
+def _row_temperatures(value, length: int, row: int) -> list[float] | None:
+    """A row's temperature as one float per predicted position (None: 1 everywhere), checked finite and > 0."""
+    if value is None:
+        return None
+    values = [value] * (length - 1) if isinstance(value, (int, float)) else list(value)
+    if len(values) != length - 1:
+        raise InputError(f"row {row}", f"{len(values)} temperatures for {length - 1} predicted positions")
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf") for t in values):
+        raise InputError(f"row {row}", "temperatures must be finite numbers above 0")
+    return None if all(t == 1 for t in values) else [float(t) for t in values]
 
 
 class Engine:
@@ -211,7 +234,9 @@ class Engine:
     @torch.inference_mode()
     def start_logprobs(self, batch: Batch) -> "HostResult":
         """`logprobs(batch)` queued on the device: its `get()` waits for this batch's result alone, so that a task
-        can prepare and queue the next batch meanwhile (a new prefix's pass waits for its own logprobs)."""
+        can prepare and queue the next batch meanwhile (a new prefix's pass waits for its own logprobs). With
+        `batch.routes`, `get()` gives (logprobs, routes): per row (expert ids int64 [len-1, MoE layers, k], routing
+        weights float32 [len-1, MoE layers, k]), the MoE layers in model order."""
         vocab = self.model.args.vocab_size
         slots = [self._slot(name, i) for i, name in enumerate(batch.adapters)]
         for i, ids in enumerate(batch.input_ids):
@@ -220,32 +245,41 @@ class Engine:
             if min(ids) < 0 or max(ids) >= vocab:
                 bad = next(t for t in ids if not 0 <= t < vocab)
                 raise InputError(f"row {i}", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        temps = batch.temperatures or [None] * len(slots)
         if not batch.prefixes or not any(batch.prefixes):
-            return self._logprobs(batch.input_ids, slots)
-        entries = self._prefix_entries(batch, slots, with_logprobs=True)
+            return self._logprobs(batch.input_ids, slots, temperatures=temps, routes=batch.routes)
+        entries = self._prefix_entries(batch, slots, with_logprobs=True, routes=batch.routes)
         rows = [ids if e is None else ids[e.length:] for ids, e in zip(batch.input_ids, entries)]
-        return self._logprobs(rows, slots, entries, joined=lambda out: [
-            lp if e is None else torch.cat([e.logprobs, lp]) for lp, e in zip(out, entries)])
+        suffix_temps = [t if e is None or t is None else t[e.length:] for t, e in zip(temps, entries)]
+        return self._logprobs(rows, slots, entries, temperatures=suffix_temps, routes=batch.routes)
 
-    def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool) -> list[PrefixKV | None]:
+    def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool,
+                        routes: bool = False) -> list[PrefixKV | None]:
         """Per row its prefix's PrefixKV (None without one), from the cache or computed now, alone (see prefixes.py
-        for why alone). Keyed by the adapter slot and the prefix's tokens — plus the token after them for logprobs,
-        which the prefix pass predicts."""
+        for why alone). Keyed by the adapter slot and the prefix's tokens — plus, for logprobs, the token after them,
+        which the prefix pass predicts, the temperatures of the prefix's positions and whether its routes were
+        recorded (`routes`: the pass records them)."""
         entries, held = [], {}
-        for ids, p, slot in zip(batch.input_ids, batch.prefixes, slots):
+        temps = batch.temperatures or [None] * len(slots)
+        for ids, p, slot, t in zip(batch.input_ids, batch.prefixes, slots, temps):
             if not p:
                 entries.append(None)
                 continue
-            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]))
+            head = None if t is None or not with_logprobs else tuple(t[:p])
+            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]), head, routes)
             entry = held.get(key) or self.prefix_cache.get(key)
             if entry is None:
-                kept, states = [], []
+                kept, states, recorded = [], [], None
                 if with_logprobs:
-                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept, states)).get()[0]  # [p]
+                    lp = self._logprobs([list(key[2])], [slot], capture=(p, kept, states),
+                                        temperatures=[None if head is None else list(head)], routes=routes).get()
+                    if routes:
+                        lp, recorded = lp[0], lp[1][0]
+                    lp = lp[0]  # [p]
                 else:
                     self._forward([list(key[2])], [slot], capture=(p, kept, states))
                     lp = None
-                entry = PrefixKV(p, kept, lp, states)
+                entry = PrefixKV(p, kept, lp, states, routes=recorded)
                 self.prefix_cache.put(key, entry, in_use=sum(e.nbytes for k, e in held.items()
                                                              if k not in self.prefix_cache.entries))
             held[key] = entry
@@ -253,18 +287,25 @@ class Engine:
         return entries
 
     def _logprobs(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
-                  capture: tuple | None = None, joined=None) -> "HostResult":
+                  capture: tuple | None = None, temperatures: list | None = None,
+                  routes: bool = False) -> "HostResult":
         """`start_logprobs` of checked rows (a row may be a single token: a suffix); `prefixes` per row PrefixKV or
-        None; `capture`: Forward's (a prefix pass); `joined`: applied to the rows' logprobs once on the host."""
+        None: a row's result is its prefix's logprobs (and routes) followed by its own; `capture`: Forward's (a
+        prefix pass); `temperatures`: per row None or one per predicted position; `routes`: as Batch.routes."""
         device = self.model.inv_freq.device
         vocab = self.model.args.vocab_size
         lengths = [len(ids) for ids in input_ids]
-        hidden, L, with_lora = self._forward(input_ids, slots, prefixes, capture)  # [B'*L, H]
+        recorded = [] if routes else None
+        hidden, L, with_lora = self._forward(input_ids, slots, prefixes, capture, routes=recorded)  # [B'*L, H]
         fwd = _LazyForward(self, lengths, slots, L, with_lora, hidden.shape[0] // L)
         # positions whose next token exists, and that token
         rows = torch.cat([torch.arange(n - 1) + i * L for i, n in enumerate(lengths)])  # [N]
         rows_dev = to_device(rows, device)
         targets = to_device([t for row in input_ids for t in row[1:]], device)  # [N]
+        temps = None
+        if temperatures is not None and any(t is not None for t in temperatures):
+            temps = to_device([x for t, n in zip(temperatures, lengths) for x in (t or [1.0] * (n - 1))], device,
+                              torch.float32)  # [N]
         head = self.model.lm_head
         head_slots = set()  # adapters that change lm_head (LoRA or their own copy)
         for table in (self.stack.dense, self.stack.overrides) if with_lora else ():
@@ -272,7 +313,7 @@ class Engine:
                 head_slots |= table["lm_head"].slots
         if self.backend == "triton" and rows.numel():
             out = token_logprobs(hidden[rows_dev], head.weight, targets, head.bias,  # [N], no [N, V] tensor
-                                 v_splits=INVARIANT_VOCAB_SPLITS if self.batch_invariant else None)
+                                 temperature=temps, v_splits=INVARIANT_VOCAB_SPLITS if self.batch_invariant else None)
             # rows whose adapter changes lm_head: recomputed below; the others keep the fused result
             chosen = [j for j, r in enumerate(rows.tolist()) if slots[r // L] in head_slots]
         else:
@@ -283,11 +324,24 @@ class Engine:
         for start in range(0, chosen.numel(), chunk):
             pick = to_device(chosen[start:start + chunk], device)  # [C] positions in rows
             part = rows_dev[pick]  # [C] token rows
-            logits = self.model.logits(hidden[part], fwd.subset(part))  # [C, V]
-            logp = torch.log_softmax(logits.float(), dim=-1)  # [C, V]
+            logits = self.model.logits(hidden[part], fwd.subset(part)).float()  # [C, V]
+            if temps is not None:
+                logits = logits / temps[pick, None]
+            logp = torch.log_softmax(logits, dim=-1)  # [C, V]
             out[pick] = logp.gather(1, targets[pick, None]).squeeze(1)
         split = [n - 1 for n in lengths]
-        return HostResult(out, lambda host: (joined or list)(list(host.split(split))))
+        entries = prefixes or [None] * len(lengths)
+
+        def joined(values: torch.Tensor, part) -> list[torch.Tensor]:  # per row: its prefix's values, then its own
+            return [v if e is None else torch.cat([part(e), v]) for v, e in zip(values.split(split), entries)]
+
+        if not routes:
+            return HostResult(out, lambda host: joined(host, lambda e: e.logprobs))
+        recorded.sort(key=lambda r: r[0])  # model order (the layers record in it already; expert parallel too)
+        ids = torch.stack([r[1][rows_dev] for r in recorded], 1)  # [N, MoE layers, k]
+        weights = torch.stack([r[2][rows_dev].float() for r in recorded], 1)  # [N, MoE layers, k]
+        return HostResult((out, ids, weights), lambda host: (joined(host[0], lambda e: e.logprobs), list(zip(
+            joined(host[1], lambda e: e.routes[0]), joined(host[2], lambda e: e.routes[1])))))
 
     def next_token_logprobs(self, batch: Batch, candidates: list[int]) -> torch.Tensor:
         """float32 [rows, len(candidates)] on the CPU: log p(candidate | whole row) at each row's last position
@@ -340,17 +394,19 @@ class Engine:
         return HostResult(out)
 
     def _build(self, ids: torch.Tensor, token_slots: torch.Tensor, lora: bool, lengths: list[int] | None = None,
-               prefixes: list | None = None, capture: tuple | None = None):
+               prefixes: list | None = None, capture: tuple | None = None, routes: list | None = None):
         """The model's forward over device tensors: ids [B, L], token_slots [B*L] -> hidden [B*L, H]. What the
         graph runner captures (every row at full length there: padding comes after the real positions; graphs are
         captured without prefixes or capture, which run eagerly)."""
         lengths = lengths or [ids.shape[1]] * ids.shape[0]
         fwd = Forward(self.backend, lengths, self.stack if lora else None, token_slots if lora else None,
-                      self.expert_parallel, prefixes=prefixes, capture=capture, invariant=self.batch_invariant)
+                      self.expert_parallel, prefixes=prefixes, capture=capture, invariant=self.batch_invariant,
+                      routes=routes)
         return self.model(ids, fwd)
 
     def _forward(self, input_ids: list[list[int]], slots: list[int], prefixes: list | None = None,
-                 capture: tuple | None = None, real: int | None = None) -> tuple[torch.Tensor, int, bool]:
+                 capture: tuple | None = None, real: int | None = None,
+                 routes: list | None = None) -> tuple[torch.Tensor, int, bool]:
         """Rows right-padded with 0 to one length -> (hidden [B' * L', H], L', with_lora): replayed from a
         captured graph when one fits (then B' >= B and L' >= L, the padded bucket), else eagerly. `prefixes` (per
         row a PrefixKV or None) and `capture` as Forward's: such forwards run eagerly (graphs hold no prefixes yet).
@@ -366,22 +422,28 @@ class Engine:
         # under expert parallel this rank's experts also serve other ranks' adapter rows
         with_lora = self.stack is not None and (max(slots) >= 0 or self.expert_parallel is not None)
         if self.graphs is not None and prefixes is None and capture is None:
-            replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B)
+            replayed = self.graphs.replay(ids, slots if with_lora else [-1] * B, routes=routes is not None)
             if replayed is not None:
-                return (*replayed, with_lora)
+                hidden, length, recorded = replayed
+                if routes is not None:
+                    routes.extend(recorded)
+                return hidden, length, with_lora
         device = self.model.inv_freq.device
         token_slots = to_device(torch.tensor(slots, dtype=torch.long).repeat_interleave(L), device)  # [B*L]
-        return self._build(to_device(ids, device), token_slots, with_lora, lengths, prefixes, capture), L, with_lora
+        return self._build(to_device(ids, device), token_slots, with_lora, lengths, prefixes, capture, routes), L, \
+            with_lora
 
     def prefix_stats(self) -> dict:
         """The prefix cache's figures (prefixes.PrefixCache.stats) and the token positions this engine computed."""
         return dict(self.prefix_cache.stats(), tokens_computed=self.tokens_computed)
 
-    def expect(self, shapes: list[tuple[int, int, bool]]) -> None:
+    def expect(self, shapes: list[tuple[int, int, bool]], routes: bool = False) -> None:
         """The batches this engine is about to run without prefixes, as (rows, longest row, with an adapter row):
-        the CUDA graphs' buckets are fitted to them (runners.graphs.BucketPlan.fit). Nothing without graphs."""
+        the CUDA graphs' buckets are fitted to them (runners.graphs.BucketPlan.fit); `routes`: some of them record
+        routes (Batch.routes), which the graphs then keep. Nothing without graphs."""
         if self.graphs is not None:
             self.graphs.plan.fit([(rows, length, lora and self.stack is not None) for rows, length, lora in shapes])
+            self.graphs.record_routes = self.graphs.record_routes or routes
 
     def graph_stats(self) -> dict | None:
         """Captured graphs, their memory and how many batches replayed or ran eagerly; None without graphs."""
@@ -421,17 +483,21 @@ def overflow_error(model_dir, adapters: dict, adapter: str | None, sample: str, 
 class HostResult:
     """A result on its way from the device to the host: the copy is queued behind the kernels that make it, into
     pinned memory, and `get()` waits for that copy alone — later batches may already be queued or running — and
-    returns `then(the host tensor)` (the tensor itself by default). On the CPU it is ready at once."""
+    returns `then(the host tensor)` (the tensor itself by default; a tuple of tensors travels as a tuple). On the
+    CPU it is ready at once."""
 
-    def __init__(self, tensor: torch.Tensor, then=None):
+    def __init__(self, tensor: torch.Tensor | tuple, then=None):
         self._then, self._event = then, None
-        if tensor.device.type == "cuda":
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)  # on the tensor's device's current stream
+        tensors = tensor if isinstance(tensor, tuple) else (tensor,)
+        if tensors[0].device.type == "cuda":
+            host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)  # on the tensor's device's current stream
             self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(tensor.device))  # after that copy
+            self._event.record(torch.cuda.current_stream(tensors[0].device))  # after those copies
         else:
-            self._host = tensor
+            host = tensors
+        self._host = host if isinstance(tensor, tuple) else host[0]
 
     def get(self):
         if self._event is not None:

@@ -60,7 +60,7 @@ class Forward:
 
     def __init__(self, backend: str, lengths: list[int], stack=None, token_slots: torch.Tensor | None = None,
                  expert_parallel=None, *, prefixes: list | None = None, capture: tuple[int, list] | None = None,
-                 invariant: bool = False):
+                 invariant: bool = False, routes: list | None = None):
         """`prefixes`: per row None or a cached prefix (lora_eval.engine.prefixes.PrefixKV: its length and per attention
         layer the keys and values of its positions): the row holds only the suffix; its positions start at the
         prefix's length and each layer's attention sees the prefix's keys and values before the row's own.
@@ -73,12 +73,15 @@ class Forward:
         `invariant` (the batch-invariant mode, Triton path): every launch setting that would follow the batch's size
         is fixed (kernels/tiles.py), the dense projections run through kernels/matmul.py instead of cuBLAS and
         attention through kernels/prefix_attention.py, so that a row's result does not depend on the other rows of
-        its batch, where it sits, or the padding. The torch path is batch-invariant as it is."""
+        its batch, where it sits, or the padding. The torch path is batch-invariant as it is.
+        `routes`: a list that each MoE layer's router appends (layer, expert ids [T, k], weights [T, k]) to (compare
+        against a sampler's routed experts); None records nothing."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend, self.lengths = backend, lengths
         self.prefixes = prefixes if prefixes is not None and any(p is not None for p in prefixes) else None
         self.capture = capture
+        self.routes = routes
         self._attention_calls = 0
         self._linear_attention_calls = 0  # Gated DeltaNet layers, counted as attention layers are (see `capture`)
         self._rows_by_prefix = None  # built by _prefix_groups
@@ -124,8 +127,11 @@ class Forward:
             self.probe(where if isinstance(where, int) else layer_of(where), point, tensor)
         return tensor
 
-    def observe_routing(self, site: str, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        """Report a router's logits [T, E] and chosen expert ids [T, k] (`site`: the router's)."""
+    def observe_routing(self, site: str, logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Report a router's logits [T, E], chosen expert ids [T, k] and their routing weights [T, k] (`site`: the
+        router's) to the probe, and record (layer, ids, weights) in `routes` when this forward records them."""
+        if self.routes is not None:
+            self.routes.append((layer_of(site), ids, weights))
         if self.probe is not None:
             self.observe(site, "router_logits", logits)
             self.observe(site, "router_topk", ids)
@@ -353,7 +359,7 @@ class Forward:
             weights, ids = router_topk(logits, top_k, renormalize)  # [T, k] float32, [T, k]
         else:
             weights, ids = router_topk_ref(logits, top_k, renormalize)
-        self.observe_routing(router.site, logits, ids)
+        self.observe_routing(router.site, logits, ids, weights)
         return weights, ids
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -44,11 +44,13 @@ class PrefixKV:
     layer i; `logprobs` [length] float32 on the CPU (lp[j] = log p(token j+1 | tokens ..j), the last one predicting
     the token after the prefix) or None when the entry was made for last-position scoring only; `states[i]` = (conv
     inputs [W-1, C], recurrent state [Hv, K, V] float32) of linear-attention layer i at the prefix's end (Gated
-    DeltaNet: a linear layer's prefix is its state, not keys and values)."""
+    DeltaNet: a linear layer's prefix is its state, not keys and values); `routes` = (expert ids [length, MoE layers,
+    k], routing weights [length, MoE layers, k]) on the CPU where the prefix pass recorded them (Batch.routes)."""
     length: int
     kv: list
     logprobs: torch.Tensor | None = None
     states: list = field(default_factory=list)
+    routes: tuple | None = None
     _addresses: torch.Tensor | None = field(default=None, repr=False)
 
     def addresses(self) -> torch.Tensor:
@@ -61,7 +63,8 @@ class PrefixKV:
     @property
     def nbytes(self) -> int:
         held = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv + self.states)
-        return held + (self.logprobs.numel() * 4 if self.logprobs is not None else 0)
+        routes = sum(t.numel() * t.element_size() for t in self.routes) if self.routes is not None else 0
+        return held + routes + (self.logprobs.numel() * 4 if self.logprobs is not None else 0)
 
 
 class PrefixCache:

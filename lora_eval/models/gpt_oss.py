@@ -154,8 +154,8 @@ class MoE(nn.Module):
         """The experts' output, added to `residual` [T, H] when given (the layer's residual stream)."""
         logits = self.router(x, fwd)  # [T, E]
         top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k], [T, k]
-        fwd.observe_routing(self.router.site, logits, ids)
         weights = torch.softmax(top, dim=-1, dtype=torch.float32)  # [T, k] over the chosen k only
+        fwd.observe_routing(self.router.site, logits, ids, weights)
         return fwd.moe(self.experts, x, ids, weights.to(x.dtype), residual=residual)  # [T, H]
 
 

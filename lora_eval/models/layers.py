@@ -447,7 +447,7 @@ def route_sigmoid_group_limited(gate: Linear, x: torch.Tensor, fwd, top_k: int, 
     scores = fwd.pointwise(torch.sigmoid, logits)  # [T, E] float32
     weights, ids = group_topk_sigmoid_routing(scores, gate.e_score_correction_bias, top_k, n_group, topk_group,
                                               norm_topk_prob, routed_scaling_factor)  # [T, k] float32, [T, k]
-    fwd.observe_routing(gate.site, logits, ids)
+    fwd.observe_routing(gate.site, logits, ids, weights)
     return weights, ids
 
 

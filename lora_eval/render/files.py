@@ -16,8 +16,9 @@ from ..names import BASE
 from ..results.tables import CompareResult, MmluResult, complete_record, read_diagnose, read_run
 from .diagnose import diagnose_html, diagnose_markdown
 from .formatting import (compare_verdict, display_table, fixed_width, gate_lines, markdown_table, mmlu_verdict,
-                         model_line, points, report_timings, shown_columns, shown_text, significance_note,
-                         significance_rows, threshold_text, thresholds_sentence, versions_of, with_p_values)
+                         model_line, points, report_timings, routing_by_layer, shown_columns, shown_text,
+                         significance_note, significance_rows, threshold_text, thresholds_sentence, versions_of,
+                         with_p_values)
 from .html import compare_html, mmlu_html
 
 # ---- the terminal -------------------------------------------------------------------------------------------
@@ -70,6 +71,10 @@ def compare_markdown(result: CompareResult) -> str:
         lines += ["## Sampler noise floor (reference - sampler)", "",
                   markdown_table(summary[["adapter", "sampler_mean_abs_diff", "sampler_k2", "sampler_max_abs_diff"]]),
                   ""]
+    if len(result.routing):
+        lines += ["## Routing against the sampler's routed experts", "",
+                  "Share of scored positions whose top-k expert set differs from the sampler's, per MoE layer.", "",
+                  markdown_table(routing_by_layer(result.routing)), ""]
     worst = result.samples.sort_values("k2", ascending=False).head(10)
     lines += ["## Worst samples by k2", "",
               markdown_table(worst[["adapter", "sample_id", "n_tokens", "mean_abs_diff", "max_abs_diff", "k2"]]), ""]

@@ -12,7 +12,8 @@ from ..results.tables import WRITTEN_AFTER_REPORTS
 
 # compare summary columns shown to people (k2_over_floor only where the references give a floor: shown_columns)
 SHOWN = ["adapter", "n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error",
-         "k2_over_floor", "passed", "failed"]
+         "k2_over_floor", "routing_flip_rate", "routing_flip_weight", "passed", "failed"]
+OPTIONAL = ("k2_over_floor", "routing_flip_rate", "routing_flip_weight")  # shown where some row has a value
 NEWLINE = "\u23ce"  # shown for a newline inside token text
 
 
@@ -62,9 +63,9 @@ def versions_of(run: dict) -> dict:
 
 
 def shown_columns(summary: pd.DataFrame) -> list[str]:
-    """The SHOWN columns a compare summary has, less k2_over_floor where no row has a floor."""
-    return [c for c in SHOWN if c in summary.columns
-            and not (c == "k2_over_floor" and summary[c].isna().all())]
+    """The SHOWN columns a compare summary has, less the OPTIONAL ones no row has a value of (k2_over_floor without a
+    sampler floor, the routing columns without routes)."""
+    return [c for c in SHOWN if c in summary.columns and not (c in OPTIONAL and summary[c].isna().all())]
 
 
 def compare_verdict(summary: pd.DataFrame, gates: pd.DataFrame) -> str:
@@ -84,13 +85,22 @@ def threshold_text(name: str, value, unit: str = "") -> str:
 def thresholds_sentence(args: dict) -> str:
     """compare's thresholds for the first line of its reports: 'thresholds: k2 <= 0.005, mean_abs_diff off'."""
     return (f"thresholds: {threshold_text('k2', args.get('max_k2'))}, "
-            f"{threshold_text('mean_abs_diff', args.get('max_mean_abs_diff'))}{floor_clause(args)}")
+            f"{threshold_text('mean_abs_diff', args.get('max_mean_abs_diff'))}{floor_clause(args)}"
+            + ("" if args.get("max_routing_flip_rate") is None
+               else f", routing_flip_rate <= {args['max_routing_flip_rate']:g}"))
 
 
 def floor_clause(args: dict) -> str:
     """', k2 <= X x the sampler's floor' for the thresholds sentence of a report, where --max-k2-over-floor is set."""
     limit = args.get("max_k2_over_floor")
     return "" if limit is None else f", k2 <= {limit:g} x the sampler's floor"
+
+
+def routing_by_layer(routing: pd.DataFrame) -> pd.DataFrame:
+    """The routing table for a report: one row per MoE layer, its flip rate under each adapter (and overall)."""
+    table = routing.pivot(index="layer", columns="adapter", values="flip_rate")
+    table = table[list(dict.fromkeys(routing["adapter"]))]  # adapters in the table's order
+    return table.reset_index().rename(columns={a: f"flip_rate {a}" for a in table.columns})
 
 
 def gate_lines(gates: pd.DataFrame, run: dict) -> list[str]:

@@ -15,8 +15,8 @@ from ..names import BASE
 from ..results.tables import WORST_PER_ADAPTER
 from . import plots
 from .formatting import (cell, compare_verdict, display_table, gate_lines, mmlu_verdict, model_line, report_timings,
-                         shown_columns, shown_text, significance_note, significance_rows, threshold_text,
-                         thresholds_sentence, versions_of, with_p_values)
+                         routing_by_layer, shown_columns, shown_text, significance_note, significance_rows,
+                         threshold_text, thresholds_sentence, versions_of, with_p_values)
 
 CSS = """
 body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 70em;
@@ -127,6 +127,10 @@ def compare_html(result) -> str:
                  "(<code>ref - sampler</code>): the mismatch a serving stack already lives with.</p>",
                  html_table(floor), html_figure(plots.noise_floor(summary, tokens),
                                                 "engine and sampler mismatch per adapter")]
+    if len(result.routing):
+        body += ["<h2>Routing against the sampler's routed experts</h2>",
+                 "<p>Share of scored positions whose top-k expert set differs from the sampler's, per MoE layer.</p>",
+                 html_table(routing_by_layer(result.routing))]
     body += ["<h2>|d| per token</h2>",
              html_figure(plots.abs_diff_histogram(tokens), "histogram of |d| per adapter"),
              "<h2>d by position</h2>", html_figure(plots.diff_by_position(tokens), "d by position"),

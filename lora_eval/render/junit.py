@@ -1,7 +1,8 @@
 """JUnit XML for CI systems: one testcase per adapter x threshold or gate, a failure carrying the numbers.
 
 compare: every summary row (each adapter, `base`, `overall`) x every threshold that was set (`max_k2`,
-`max_mean_abs_diff`, `max_k2_over_floor`: skipped where the references carry no sampler logprobs), decided by
+`max_mean_abs_diff`, `max_k2_over_floor`: skipped where the references carry no sampler logprobs,
+`max_routing_flip_rate`: skipped where they carry no routed experts), decided by
 `metrics.check_thresholds` itself so the XML always agrees with summary.csv; and every adapter x the adapter
 applied gate (gates.csv).
 mmlu: every adapter x `--max-drop` (the one MMLU threshold, on micro accuracy), every group's numbers inside.
@@ -19,9 +20,11 @@ from ..results.metrics import check_thresholds
 from .formatting import versions_of
 
 # compare's threshold arguments and the summary column each one bounds (see metrics.check_thresholds)
-THRESHOLDS = {"max_k2": "k2", "max_mean_abs_diff": "mean_abs_diff", "max_k2_over_floor": "k2"}
+THRESHOLDS = {"max_k2": "k2", "max_mean_abs_diff": "mean_abs_diff", "max_k2_over_floor": "k2",
+              "max_routing_flip_rate": "routing_flip_rate"}
 GATE_DETAIL = ["max_abs_diff_vs_base", "noise_bound", "rows_checked", "tokens_checked"]
-DETAIL = ["n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error"]
+DETAIL = ["n_samples", "n_tokens", "mean_abs_diff", "max_abs_diff", "k1", "k2", "k3", "mult_prob_error",
+          "routing_flip_rate", "routing_flip_weight"]
 
 
 def _num(value) -> str:
@@ -72,7 +75,7 @@ def compare_junit(summary: pd.DataFrame, run: dict, gates: pd.DataFrame | None =
         one = {a: (limit if a == arg else None) for a in THRESHOLDS}  # this threshold alone
         verdicts = check_thresholds(summary, **one)
         for row, passed in zip(summary.itertuples(index=False), verdicts["passed"]):
-            value = float(getattr(row, column))
+            value = float(getattr(row, column, math.nan))
             details = ", ".join(f"{c} = {_num(getattr(row, c))}" for c in DETAIL if hasattr(row, c))
             if arg == "max_k2_over_floor":
                 floor = float(row.k2_floor)
@@ -85,8 +88,11 @@ def compare_junit(summary: pd.DataFrame, run: dict, gates: pd.DataFrame | None =
                                    f"floor); {details}", skipped=off))
                 continue
             failure = None if passed else f"{row.adapter}: {column} = {_num(value)} > {limit:g}"
+            off = "off: the references carry no routed experts" \
+                if arg == "max_routing_flip_rate" and math.isnan(value) else None
             cases.append(_case(f"lora-eval.compare.{row.adapter}", f"{column} <= {limit:g}", failure,
-                               f"{row.adapter}: {column} = {_num(value)} (threshold {limit:g}); {details}"))
+                               f"{row.adapter}: {column} = {_num(value)} (threshold {limit:g}); {details}",
+                               skipped=off))
     if not limits:  # no threshold set: one passing case per row, so the metrics still reach the CI page
         for row in summary.itertuples(index=False):
             details = ", ".join(f"{c} = {_num(getattr(row, c))}" for c in DETAIL if hasattr(row, c))

@@ -69,6 +69,13 @@ def group_metrics(tokens: pd.DataFrame, by: list[str]) -> pd.DataFrame:
         if known.any():
             for name, value in _grouped_metrics(codes[known], sampler[known], groups).items():
                 frame[f"sampler_{name}"] = value
+    for column in ("routing_flip_rate", "routing_flip_weight"):  # means over the masked positions with routes
+        if column in tokens:
+            values = tokens[column].to_numpy(np.float64)  # [N]
+            known = masked & ~np.isnan(values)
+            count = np.bincount(codes[known], minlength=groups)
+            total = np.bincount(codes[known], weights=values[known], minlength=groups)
+            frame[column] = np.divide(total, count, out=np.full(groups, np.nan), where=count > 0)
     return frame
 
 
@@ -91,10 +98,12 @@ def _grouped_metrics(codes: np.ndarray, d: np.ndarray, groups: int) -> dict[str,
 
 
 def check_thresholds(summary: pd.DataFrame, max_k2: float | None, max_mean_abs_diff: float | None,
-                     max_k2_over_floor: float | None = None, gates: pd.DataFrame | None = None) -> pd.DataFrame:
+                     max_k2_over_floor: float | None = None, gates: pd.DataFrame | None = None,
+                     max_routing_flip_rate: float | None = None) -> pd.DataFrame:
     """Add `passed` and `failed` (which thresholds a row crosses, e.g. 'k2 > 0.005') to a summary. The k2 over
-    floor threshold needs the summary's `k2_floor` (off where it is NaN: no sampler logprobs); `gates` (the adapter
-    applied gate) fails the rows of the adapters it finds not applied."""
+    floor threshold needs the summary's `k2_floor` (off where it is NaN: no sampler logprobs); the routing flip
+    rate threshold its `routing_flip_rate` (off where absent or NaN: no routes in the references); `gates` (the
+    adapter applied gate) fails the rows of the adapters it finds not applied."""
     summary = summary.copy()
     not_applied = {} if gates is None else {g.adapter: g.reason for g in gates.itertuples() if not g.applied}
     failed = []
@@ -109,6 +118,9 @@ def check_thresholds(summary: pd.DataFrame, max_k2: float | None, max_mean_abs_d
         if max_k2_over_floor is not None and not np.isnan(row["k2_floor"]) and \
                 not row["k2"] <= max_k2_over_floor * row["k2_floor"]:
             crossed.append(f"k2 > {max_k2_over_floor:g} x floor {row['k2_floor']:.4g}")
+        flip_rate = row.get("routing_flip_rate", np.nan)
+        if max_routing_flip_rate is not None and not np.isnan(flip_rate) and not flip_rate <= max_routing_flip_rate:
+            crossed.append(f"routing_flip_rate > {max_routing_flip_rate:g}")
         failed.append("; ".join(crossed))
     summary["failed"] = failed
     summary["passed"] = summary["failed"] == ""

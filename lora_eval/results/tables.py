@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from ..errors import EXIT_PASS, EXIT_THRESHOLD, InputError
 from .metrics import GATE_COLUMNS
+from .routing import ROUTING_COLUMNS
 from .runfolder import read_record
 
 WORST_PER_ADAPTER = 5  # worst tokens listed per adapter
@@ -108,6 +109,9 @@ class CompareResult(Verdict):
     run: dict = field(default_factory=dict)  # the run record (run.json)
     worst: pd.DataFrame = field(default_factory=pd.DataFrame)  # worst tokens per adapter, decoded with context
     gates: pd.DataFrame = field(default_factory=no_gates)  # the adapter applied gate: one row per adapter
+    # routing agreement with the references' routed experts, per adapter and MoE layer (results/routing.py); empty
+    # when they carry none
+    routing: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=ROUTING_COLUMNS))
 
     @property
     def passed(self) -> bool:
@@ -142,7 +146,8 @@ def table_files(result: CompareResult | MmluResult) -> dict[str, bytes]:
     if isinstance(result, CompareResult):
         return {"summary.csv": _csv(result.summary), "samples.csv": _csv(result.samples),
                 "tokens.parquet": _parquet(result.tokens), "worst_tokens.parquet": _parquet(result.worst),
-                "gates.csv": _csv(result.gates)}
+                "gates.csv": _csv(result.gates),
+                **({"routing.csv": _csv(result.routing)} if len(result.routing) else {})}
     return {"mmlu_questions.parquet": _parquet(result.questions), "mmlu_subjects.csv": _csv(result.subjects),
             "mmlu_summary.csv": _csv(result.summary)}
 
@@ -191,7 +196,10 @@ def read_run(run_dir: str | Path) -> CompareResult | MmluResult:
             for column in ("adapter", "sample_id", "token", "context"):
                 if column in frame:
                     frame[column] = frame[column].astype(object)
-        return CompareResult(summary=summary, samples=samples, tokens=tokens, run=record, worst=worst, gates=gates)
+        routing = _require(_read_csv(run_dir / "routing.csv", ["adapter"]), run_dir / "routing.csv", ROUTING_COLUMNS) \
+            if (run_dir / "routing.csv").is_file() else pd.DataFrame(columns=ROUTING_COLUMNS)
+        return CompareResult(summary=summary, samples=samples, tokens=tokens, run=record, worst=worst, gates=gates,
+                             routing=routing)
     summary = _require(_read_csv(run_dir / "mmlu_summary.csv", ["model", "group"]), run_dir / "mmlu_summary.csv",
                        MMLU_SUMMARY_COLUMNS)
     subjects = _require(_read_csv(run_dir / "mmlu_subjects.csv", ["subject", "category", "model"]),

@@ -40,6 +40,7 @@ from ..inputs.tokenizer import load_decoder
 from ..names import BASE, OVERALL
 from ..render.files import report_files
 from ..results.metrics import NOISE_ULPS, applied_gate, check_thresholds, group_metrics, sampler_floor, with_floor
+from ..results.routing import route_flips, routing_table
 from ..results.runfolder import Work, run_inputs
 from ..results.tables import (COMPARE_SUMMARY_COLUMNS, WORST_COLUMNS, WORST_PER_ADAPTER, CompareResult, no_gates,
                               read_run, table_files)
@@ -55,7 +56,8 @@ GATE_TOKENS = 4096
 def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
             references: list | tuple = (), *, out: str | Path | None = None, options: EngineOptions | None = None,
             batch_tokens: int = 4096, max_k2: float | None = 5e-3, max_mean_abs_diff: float | None = None,
-            max_k2_over_floor: float | None = None, check_adapters: bool = True, quiet: bool = False,
+            max_k2_over_floor: float | None = None, max_routing_flip_rate: float | None = None,
+            temperature: float | None = None, check_adapters: bool = True, quiet: bool = False,
             overwrite: bool = False, engine: Engine | None = None, notice=print) -> CompareResult:
     """Run the engine on every reference sample under the adapter it names; return (and, with `out`, write) the
     summary, per-sample and per-token tables and the gates. `references` holds paths or (adapter name, path) pairs.
@@ -64,9 +66,13 @@ def compare(model: str | Path, adapters: dict[str, str | Path] | None = None,
     an engine already built (its adapters replace `adapters`; `model` then supplies config and tokenizer).
     Gates: `check_adapters` fails an adapter that changes nothing (its files, then a sample of its rows run again
     under the base model); `max_k2_over_floor` fails a row whose k2 exceeds that many times the sampler's noise
-    floor in the references (off when they carry no sampler logprobs)."""
+    floor in the references (off when they carry no sampler logprobs); `max_routing_flip_rate` a row whose routing
+    flip rate against the references' routed experts exceeds it (off where they carry none; results/routing.py).
+    `temperature`: the sampling temperature of references that record none (inputs/references.py: a framework
+    dump that applies one without recording it is refused without it); the logprobs are those of logits / T."""
     task = CompareTask(model, adapters, references, options=options, batch_tokens=batch_tokens, max_k2=max_k2,
                        max_mean_abs_diff=max_mean_abs_diff, max_k2_over_floor=max_k2_over_floor,
+                       max_routing_flip_rate=max_routing_flip_rate, temperature=temperature,
                        check_adapters=check_adapters, engine=engine)
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
@@ -85,6 +91,8 @@ class CompareTask(Task):
     max_k2: float | None
     max_mean_abs_diff: float | None
     max_k2_over_floor: float | None
+    max_routing_flip_rate: float | None
+    temperature: float | None
     check_adapters: bool
     engine: Engine | None
 
@@ -95,6 +103,9 @@ class CompareTask(Task):
         self.max_k2 = threshold(self.max_k2, "--max-k2")
         self.max_mean_abs_diff = threshold(self.max_mean_abs_diff, "--max-mean-abs-diff")
         self.max_k2_over_floor = threshold(self.max_k2_over_floor, "--max-k2-over-floor")
+        self.max_routing_flip_rate = threshold(self.max_routing_flip_rate, "--max-routing-flip-rate")
+        if self.temperature is not None and (threshold(self.temperature, "--temperature") == 0):
+            raise InputError("--temperature", "expected a finite number above 0, found 0")
         if not isinstance(self.check_adapters, bool):
             raise InputError("check_adapters", f"expected True or False, found {self.check_adapters!r}")
         self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")
@@ -103,16 +114,19 @@ class CompareTask(Task):
         run.arguments = dict(model=str(self.model), adapters={k: str(v) for k, v in self.adapters.items()},
                              references=[reference_arg(r) for r in self.references], batch_tokens=self.batch_tokens,
                              max_k2=self.max_k2, max_mean_abs_diff=self.max_mean_abs_diff,
-                             max_k2_over_floor=self.max_k2_over_floor, check_adapters=self.check_adapters)
+                             max_k2_over_floor=self.max_k2_over_floor,
+                             max_routing_flip_rate=self.max_routing_flip_rate, temperature=self.temperature,
+                             check_adapters=self.check_adapters)
         return run_inputs(self.model, self.adapters, reference=list(self.references))
 
     def plan(self, run: Run) -> Plan:
         options, phases = self.options, run.phases
         with phases("read"):  # the references, read and checked, and the work planned from their token ids
             self.args = args = model_config(self.model)[1]
-            self.refs = refs = _read_references(self.references, self.adapters, args.vocab_size)
+            self.refs = refs = _read_references(self.references, self.adapters, args.vocab_size, self.temperature)
             for file, rows in refs.groupby("file", sort=False):  # no sample beyond the model's positions
                 check_lengths(rows["input_ids"].map(len), rows["sample_id"], args.max_position_embeddings, file)
+            self.routed = check_routes(refs, args)  # per row the sampler's routes [n, MoE layers, k], or None
             self.lengths = [len(ids) for ids in refs["input_ids"]]
             self.use_prefixes = bool(options.prefix_cache) and not options.expert_parallel
             self.prefix, group = sample_prefixes(refs) if self.use_prefixes else ([0] * len(refs), [0] * len(refs))
@@ -132,6 +146,10 @@ class CompareTask(Task):
                             adapter_check=dict(max_rows=GATE_ROWS, max_tokens=GATE_TOKENS, noise_ulps=NOISE_ULPS)
                             if self.check_adapters else None, prefix_cache=self.use_prefixes,
                             engine="given" if self.engine is not None else "loaded")
+        # options added since runs were first written: in the fingerprint only when set, so that an older run folder
+        # (which predates them) stays the same run and resumes
+        task_options.update({k: v for k, v in dict(max_routing_flip_rate=self.max_routing_flip_rate,
+                                                   temperature=self.temperature).items() if v is not None})
         return Plan(task_options, phase="read")
 
     def hashed(self) -> list[Hashed]:
@@ -154,6 +172,8 @@ class CompareTask(Task):
         self.gate_batches = [[self.gate_rows[j] for j in b]
                              for b in make_batches([suffix[i] for i in self.gate_rows], self.batch_tokens)]
         self.units = self.batches + self.gate_batches
+        self.with_routes = [u < len(self.batches) and any(self.routed[i] is not None for i in b)
+                            for u, b in enumerate(self.units)]  # such batches record the engine's routes
 
     def read(self, out: Path) -> CompareResult:
         return read_run(out)
@@ -168,7 +188,7 @@ class CompareTask(Task):
                        "forward); full samples run")
         self.engine.expect([(len(b), max(lengths[i] for i in b), u < len(self.batches) and any(
             isinstance(a, str) for a in refs["adapter"].iloc[b])) for u, b in enumerate(self.units)
-            if not any(self.prefix[i] for i in b)])
+            if not any(self.prefix[i] for i in b)], routes=any(self.with_routes))
         return Units([sum(self.suffix[i] for i in b) for b in self.units], "tok", lockstep=options.expert_parallel)
 
     def run(self, work: Work, run: Run) -> None:
@@ -180,12 +200,17 @@ class CompareTask(Task):
         rows = self.refs.iloc[self.units[u]]
         tags = [a if isinstance(a, str) and u < len(self.batches) else None for a in rows["adapter"]]
         before = self.engine.tokens_computed
-        logprobs = self.engine.start_logprobs(Batch(list(rows["input_ids"]), tags, [self.prefix[i] for i in
-                                                    self.units[u]] if self.use_prefixes else None))
+        temps = rows.get("temperature")
+        logprobs = self.engine.start_logprobs(Batch(
+            list(rows["input_ids"]), tags, [self.prefix[i] for i in self.units[u]] if self.use_prefixes else None,
+            temperatures=None if temps is None else list(temps), routes=self.with_routes[u]))
         return logprobs, self.engine.tokens_computed - before
 
     def _finish(self, u, started) -> pd.DataFrame:
         logprobs, computed = started[0].get(), started[1]
+        routes = None
+        if self.with_routes[u]:
+            logprobs, routes = logprobs
         bad = first_non_finite(logprobs)
         if bad is not None:  # (k2 and the gates would be computed from NaN)
             i = self.units[u][bad]
@@ -193,21 +218,36 @@ class CompareTask(Task):
             raise overflow_error(self.model, self.adapters, adapter if isinstance(adapter, str) else None,
                                  f"sample {self.refs['sample_id'].iloc[i]}", self.options.dtype)
         n = len(self.units[u])
-        return pd.DataFrame(dict(sample=self.units[u], logprobs=[lp.numpy() for lp in logprobs],
-                                 tokens_computed=np.asarray([computed] + [0] * (n - 1), dtype=np.int64)))  # (on row 1)
+        frame = pd.DataFrame(dict(sample=self.units[u], logprobs=[lp.numpy() for lp in logprobs],
+                                  tokens_computed=np.asarray([computed] + [0] * (n - 1), dtype=np.int64)))  # (row 1)
+        if routes is not None:  # per row [n-1, MoE layers] flattened (a unit's frame holds 1-D lists)
+            flips = [route_flips(ids.numpy(), w.numpy(), self.routed[i]) if self.routed[i] is not None else None
+                     for i, (ids, w) in zip(self.units[u], routes)]
+            frame["route_flips"] = [None if f is None else f[0].reshape(-1) for f in flips]
+            frame["route_flip_weight"] = [None if f is None else f[1].reshape(-1) for f in flips]
+        return frame
 
     def merge(self, frames: dict[int, pd.DataFrame], run: Run) -> CompareResult:
         refs, lengths, phases = self.refs, self.lengths, run.phases
         with phases("metrics"):
             engine_lp, base_lp = [None] * len(refs), {}  # base_lp: the gate's base re-runs, by sample
+            flips, flip_weights = [None] * len(refs), [None] * len(refs)  # [n-1, MoE layers] where routed
             tokens_computed = sum(int(f["tokens_computed"].sum()) for f in frames.values() if "tokens_computed" in f)
             for u, frame in frames.items():
-                for i, lp in zip(frame["sample"], frame["logprobs"]):
+                for j, (i, lp) in enumerate(zip(frame["sample"], frame["logprobs"])):
                     if u < len(self.batches):
                         engine_lp[i] = np.asarray(lp, dtype=np.float32)
+                        if self.routed[i] is not None:
+                            shape = self.routed[i].shape[:2]
+                            flips[i] = np.asarray(frame["route_flips"].iloc[j], dtype=bool).reshape(shape)
+                            flip_weights[i] = np.asarray(frame["route_flip_weight"].iloc[j]).reshape(shape)
                     else:
                         base_lp[int(i)] = np.asarray(lp, dtype=np.float32)
-            tokens = _token_table(refs, engine_lp)
+            tokens = _token_table(refs, engine_lp, flips, flip_weights)
+            routing = routing_table([a if isinstance(a, str) else BASE for a in refs["adapter"]],
+                                    [np.asarray(m if m is not None else [True] * len(lp), dtype=bool)
+                                     for m, lp in zip(refs["mask"], engine_lp)], flips, flip_weights,
+                                    list(self.args.sparse_layers))
             eps = float(torch.finfo(next(self.engine.model.parameters()).dtype).eps)  # of the compute dtype
             summary, gates, floor = self._summary(tokens, engine_lp, base_lp, eps)
             samples = group_metrics(tokens, ["adapter", "sample_id"])
@@ -233,7 +273,8 @@ class CompareTask(Task):
             tokens_per_s=run.work.stats()["computed"] / max(phases.timings()["forward_s"], 1e-9), gates=gate_record,
             quantization=engine.model.args.quantization, tokenizer=str(self.model) if decode else None,
             cuda_graphs=engine.graph_stats())
-        return CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=record, gates=gates)
+        return CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=record, gates=gates,
+                             routing=routing)
 
     def _summary(self, tokens: pd.DataFrame, engine_lp: list, base_lp: dict, eps: float):
         """The summary (per adapter and overall, with the gates' verdicts), the gates table and the sampler floor."""
@@ -244,7 +285,8 @@ class CompareTask(Task):
                                                                 for a, rows in self.sampled.items()}, eps) \
             if self.check_adapters else no_gates()
         summary = check_thresholds(with_floor(pd.concat([per_adapter, overall], ignore_index=True), floor["k2_floor"]),
-                                   self.max_k2, self.max_mean_abs_diff, self.max_k2_over_floor, gates)
+                                   self.max_k2, self.max_mean_abs_diff, self.max_k2_over_floor, gates,
+                                   self.max_routing_flip_rate)
         summary = summary[COMPARE_SUMMARY_COLUMNS + [c for c in summary.columns if c not in COMPARE_SUMMARY_COLUMNS]]
         return summary, gates, floor
 
@@ -314,11 +356,11 @@ def gate_sample(refs: pd.DataFrame, adapters: list[str], max_rows: int = GATE_RO
     return {a: sorted(rows) for a, rows in chosen.items() if rows}
 
 
-def _read_references(references, adapters: dict, vocab_size: int) -> pd.DataFrame:
+def _read_references(references, adapters: dict, vocab_size: int, temperature: float | None) -> pd.DataFrame:
     frames = []
     for ref in references:
         name, path = ref if isinstance(ref, tuple) else (None, ref)
-        frame = read_reference(path, adapter=name, vocab_size=vocab_size)
+        frame = read_reference(path, adapter=name, vocab_size=vocab_size, temperature=temperature)
         frame["file"] = str(path)
         unknown = sorted({a for a in frame["adapter"].dropna() if a not in adapters})
         if unknown:
@@ -335,9 +377,46 @@ def _read_references(references, adapters: dict, vocab_size: int) -> pd.DataFram
     return refs
 
 
-def _token_table(refs: pd.DataFrame, engine_lp: list) -> pd.DataFrame:
+def check_routes(refs: pd.DataFrame, args) -> list[np.ndarray | None]:
+    """Per reference row the sampler's routes as [n, MoE layers, k] int64 (None where it records none), checked
+    against the model (`args`) before it loads: top-k, expert ids, and the layers — one row of routes per MoE layer,
+    or one per decoder layer (as vLLM returns them) of which the MoE layers' are kept."""
+    column = refs.get("routed_experts")
+    if column is None or all(r is None for r in column):
+        return [None] * len(refs)
+    moe = list(args.sparse_layers)
+    routed = []
+    for r, file, sample in zip(column, refs["file"], refs["sample_id"]):
+        if r is None:
+            routed.append(None)
+            continue
+        where = f"sample {sample}"
+        r = np.asarray(r, dtype=np.int64)  # [n, layers, k]
+        if not moe:
+            raise InputError(file, "carries routed_experts, but the model has no MoE layer", key=where)
+        if r.shape[2] != args.top_k:
+            raise InputError(file, f"routed_experts holds {r.shape[2]} experts per token; the model routes each "
+                             f"token to {args.top_k}", key=where)
+        if r.shape[1] == args.num_layers and len(moe) != args.num_layers:
+            r = r[:, moe]  # one row per decoder layer: the MoE layers' rows
+        elif r.shape[1] != len(moe):
+            raise InputError(file, f"routed_experts has {r.shape[1]} layers; the model has {len(moe)} MoE layers "
+                             f"(of {args.num_layers}): one row per MoE layer, or per decoder layer, expected",
+                             key=where)
+        outside = r[(r < 0) | (r >= args.num_experts)]
+        if outside.size:
+            raise InputError(file, f"routed_experts names expert {int(outside[0])}, outside the model's "
+                             f"{args.num_experts} experts", key=where)
+        routed.append(r)
+    return routed
+
+
+def _token_table(refs: pd.DataFrame, engine_lp: list, flips: list, flip_weights: list) -> pd.DataFrame:
     """One row per predicted token: adapter, sample_id, position, token_id, ref, engine, mask, d, sampler,
-    sampler_d. Built column by column over all samples at once (a DataFrame per sample cost ~1.4 s per 1M tokens)."""
+    sampler_d, and where the reference carries routes routing_flip_rate and routing_flip_weight (the share of MoE
+    layers whose expert set differs from the sampler's there, and their mean flip weight: results/routing.py; NaN
+    elsewhere). Built column by column over all samples at once (a DataFrame per sample cost ~1.4 s per 1M
+    tokens)."""
     n = np.array([len(lp) for lp in engine_lp], dtype=np.int64)
     total = int(n.sum())
     starts = np.cumsum(n) - n
@@ -352,12 +431,17 @@ def _token_table(refs: pd.DataFrame, engine_lp: list) -> pd.DataFrame:
     ref = joined(refs["logprobs"], np.float64)
     engine = np.concatenate(engine_lp).astype(np.float64) if total else np.empty(0)
     sampler = joined(refs["sampler_logprobs"], np.float64, np.nan)
-    return pd.DataFrame(dict(
+    table = pd.DataFrame(dict(
         adapter=np.repeat(adapters, n), sample_id=np.repeat(refs["sample_id"].to_numpy(dtype=object), n),
         position=np.arange(total, dtype=np.int64) - np.repeat(starts, n),
         token_id=joined([ids[1:] for ids in refs["input_ids"]], np.int64),
         ref=ref, engine=engine, mask=joined(refs["mask"], bool, True), d=ref - engine,
         sampler=sampler, sampler_d=ref - sampler))
+    if any(f is not None for f in flips):
+        table["routing_flip_rate"] = joined([None if f is None else f.mean(1) for f in flips], np.float64, np.nan)
+        table["routing_flip_weight"] = joined([None if w is None else w.mean(1) for w in flip_weights], np.float64,
+                                              np.nan)
+    return table
 
 
 def worst_tokens(tokens: pd.DataFrame, input_ids: dict[str, list[int]], decode=None,

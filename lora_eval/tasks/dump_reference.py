@@ -25,7 +25,7 @@ from ..adapters import load_adapter
 from ..engine.engine import DTYPES, EngineOptions, first_non_finite, overflow_error
 from ..errors import InputError
 from ..hf import quiet_libraries
-from ..inputs.checks import adapter_names, check_lengths, model_config
+from ..inputs.checks import adapter_names, check_lengths, model_config, threshold
 from ..inputs.prompts import read_prompts
 from ..inputs.references import read_reference, reference_bytes
 from ..models import check_loaded_weights, load_model
@@ -39,13 +39,16 @@ VL_ADAPTER_PREFIX = "base_model.model.model.language_model."  # keys of an adapt
 
 def dump_reference(model_dir: str | Path, adapters: dict[str, str | Path] | None, prompts: str | Path,
                    out: str | Path | None, *, options: EngineOptions | None = None, quiet: bool = False,
-                   overwrite: bool = False, default_adapter: str | None = None, notice=print) -> pd.DataFrame:
+                   overwrite: bool = False, default_adapter: str | None = None, temperature: float = 1.0,
+                   notice=print) -> pd.DataFrame:
     """Reference logprobs of every prompt under its adapter, from transformers + PEFT, written as one Parquet file
     through the run protocol (tasks/run.py: resumable, never half-written; the fingerprint goes into the file's
     metadata, and an `out` that already holds this very dump is returned as it is). `options`: device, dtype and
     gate_up_layout (the row order of fused 3D gate_up LoRA, adapters/load.py). `default_adapter`: for prompts
-    without an `adapter` field (inputs/prompts.py)."""
-    task = DumpReferenceTask(model_dir, adapters, prompts, options=options, default_adapter=default_adapter)
+    without an `adapter` field (inputs/prompts.py). `temperature`: the logprobs are log_softmax(logits / T), as a
+    trainer scores at its sampling temperature; written into the dump's `temperature` column (T != 1)."""
+    task = DumpReferenceTask(model_dir, adapters, prompts, options=options, default_adapter=default_adapter,
+                             temperature=temperature)
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
 
@@ -61,12 +64,17 @@ class DumpReferenceTask(Task):
     prompts: str | Path
     options: EngineOptions | None
     default_adapter: str | None
+    temperature: float = 1.0
 
     def check(self, run: Run) -> dict:
         self.options = (self.options or EngineOptions()).resolved()
         self.adapters = adapter_names(self.adapters)
+        if threshold(self.temperature, "--temperature") == 0:
+            raise InputError("--temperature", "expected a finite number above 0, found 0")
+        self.temperature = float(self.temperature)
         run.arguments = dict(model=str(self.model_dir), adapters={k: str(v) for k, v in self.adapters.items()},
-                             prompts=str(self.prompts), default_adapter=self.default_adapter)
+                             prompts=str(self.prompts), default_adapter=self.default_adapter,
+                             temperature=self.temperature)
         return run_inputs(self.model_dir, self.adapters, prompts=self.prompts)
 
     def check_out(self, out: Path | None) -> None:
@@ -88,6 +96,8 @@ class DumpReferenceTask(Task):
         task_options = dict(device=record["device"], device_name=record["device_name"], dtype=self.options.dtype,
                             gate_up_layout=self.options.gate_up_layout, default_adapter=self.default_adapter,
                             threads=record["threads"])
+        if self.temperature != 1:  # (only when set: an older dump's fingerprint predates the option)
+            task_options["temperature"] = self.temperature
         return Plan(task_options)
 
     def hashed(self) -> list[Hashed]:
@@ -121,7 +131,7 @@ class DumpReferenceTask(Task):
                     check_loaded_weights(self.model_dir, dict(model.named_parameters()))  # NaN / inf by file and key
                 runner = self._runner(model, name)
                 for i in todo:
-                    lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device)
+                    lp = _sequence_logprobs(runner, frame.at[i, "input_ids"], options.device, self.temperature)
                     if first_non_finite([lp]) is not None:  # (else the written file's check would blame the output)
                         raise overflow_error(self.model_dir, self.adapters, name, f"prompt {frame.at[i, 'sample_id']}",
                                              options.dtype, computed_by="transformers")
@@ -157,6 +167,7 @@ class DumpReferenceTask(Task):
 
     def merge(self, frames: dict[int, pd.DataFrame], run: Run) -> pd.DataFrame:
         self.frame["logprobs"] = [frames[i]["logprobs"].iloc[0].tolist() for i in range(len(self.frame))]
+        self.frame["temperature"] = None if self.temperature == 1 else self.temperature
         self.out, self.fingerprint, self.arguments = run.folder.out, run.folder.fingerprint, run.arguments
         return self.frame
 
@@ -195,7 +206,7 @@ def merged_copy(model, adapter):
 
 
 @torch.inference_mode()
-def _sequence_logprobs(model, ids: list[int], device) -> torch.Tensor:
+def _sequence_logprobs(model, ids: list[int], device, temperature: float = 1.0) -> torch.Tensor:
     input_ids = torch.tensor([ids], device=device)
-    logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1].float()  # [L-1, V]
+    logits = model(input_ids=input_ids, use_cache=False).logits[0, :-1].float() / temperature  # [L-1, V]
     return torch.log_softmax(logits, dim=-1).gather(1, input_ids[0, 1:, None]).squeeze(1).cpu()  # [L-1]

@@ -10,7 +10,7 @@ import torch
 from ..adapters import load_adapter
 from ..models import load_model
 
-COLUMNS = ["adapter", "layout", "kind", "part", "layers", "rank", "scaling", "params"]
+COLUMNS = ["adapter", "layout", "kind", "part", "layers", "rank", "scaling", "params", "writer"]
 
 
 def inspect_adapters(model_dir: str | Path, adapters: dict[str, str | Path],
@@ -26,17 +26,19 @@ def inspect_adapters(model_dir: str | Path, adapters: dict[str, str | Path],
     for name, path in adapters.items():
         adapter = load_adapter(path, name, model, gate_up_layout)
         layout = ", ".join(sorted(adapter.layouts)) or "dense targets only"
+        # the writer (adapters/writers.py) and how its expert layout was read: one line each, the same on every row
+        writer = "\n".join([adapter.config.writer.describe(), *adapter.decisions])
         targets = pd.DataFrame(adapter.targets)
         if targets.empty:
             rows.append(dict(adapter=name, layout=layout, kind="(none)", part="", layers=0, rank="", scaling="",
-                             params=0))
+                             params=0, writer=writer))
             continue
         for (kind, part), group in targets.groupby(["kind", "part"], sort=True):
             rows.append(dict(
                 adapter=name, layout=layout, kind=kind, part=part,
                 layers=group["layer"].nunique() if group["layer"].notna().any() else 1,
                 rank=_values(group["rank"]), scaling=_values(group["scaling"]),
-                params=int(group["params"].sum()),
+                params=int(group["params"].sum()), writer=writer,
             ))
     return summary, pd.DataFrame(rows, columns=COLUMNS)
 

@@ -153,3 +153,20 @@ def test_gpu_cuda_graph_replay_equals_eager(seed):
     eager = token_logprobs(hidden, weight, targets)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu)])
+def test_temperature_per_row(seed, dtype):
+    """Each row's logits divided by its own temperature (fp32, after the bias): against the reference, and not the
+    untempered result (the temperature is used)."""
+    hidden, weight, targets = _inputs(seed, N, H, V, dtype, max_logit=20.0)
+    g = torch.Generator().manual_seed(seed + 2)
+    bias = torch.randn(V, generator=g).to(DEVICE, dtype)
+    temperature = (0.3 + 1.2 * torch.rand(N, generator=g)).to(DEVICE)  # [N] in [0.3, 1.5]
+    out = token_logprobs(hidden, weight, targets, bias, temperature=temperature, out=_poisoned(N), v_splits=3)
+    ref = token_logprobs_ref(hidden.float(), weight.float(), targets, bias.float(), temperature)
+    assert (out - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 1e-3)
+    plain = token_logprobs(hidden, weight, targets, bias)
+    assert (out - plain).abs().max().item() > 0.1
+    ones = token_logprobs(hidden, weight, targets, bias, temperature=torch.ones(N, device=DEVICE))
+    assert torch.equal(ones, plain)  # dividing by 1 changes no bit
