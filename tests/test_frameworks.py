@@ -380,3 +380,14 @@ def test_the_miles_export_snippet_gives_our_parquet(seed, tmp_path, monkeypatch)
     expected = [row("3.pt", i, t, response_only(t, t["sampler"]), temperature=1.0, routes=t["routes"],
                     adapter=None) for i, t in enumerate(truth)]
     same(read_reference(tmp_path / "reference.parquet"), read_reference(native(tmp_path / "n.parquet", expected)))
+
+
+def test_framework_files_need_the_adapter_named(seed, tmp_path):
+    """No framework's file names its adapter: as for a serving-engine .pt, NAME=FILE says whose logprobs they are."""
+    truth = samples(seed)
+    for path, temperature in ((nemo_rl_file(tmp_path / "n.jsonl", truth), 1.0),
+                              (prime_rollouts_file(tmp_path / "r.bin", truth), None),  # (it records its own)
+                              (slime_rollout_file(tmp_path / "s.pt", truth), 1.0)):
+        with pytest.raises(InputError, match=f"has no adapter column: give it as NAME={path.name}"):
+            read_reference(path, temperature=temperature)
+        assert read_reference(path, adapter="base", temperature=temperature)["adapter"].isna().all()
