@@ -133,14 +133,15 @@ def framework_kit(root: Path, frame: pd.DataFrame, config: dict, seed: int = 0) 
         n = len(ids) - 1
         mask = np.ones(n, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
         lp = np.asarray(logprobs, dtype=np.float64)
+        layers, k = config["num_hidden_layers"], config["num_experts_per_tok"]
+        routes = np.stack([rng.permutation(experts)[:k] for _ in range(n * layers)]).reshape(n, layers, k)
         truth.append(dict(ids=np.asarray(ids), mask=mask, trainer=lp, prompt=int(np.argmax(mask)) + 1,
                           sampler=lp if sampler is None else np.asarray(sampler, dtype=np.float64),
-                          temperature=np.ones(n), routes=np.stack([rng.permutation(experts)[
-                              :config["num_experts_per_tok"]] for _ in range(n * config["num_hidden_layers"])]
-                              ).reshape(n, config["num_hidden_layers"], config["num_experts_per_tok"])))
+                          temperature=np.ones(n), routes=routes))
     for name, write in [("logs/train_data_step3.jsonl", nemo_rl_file),
                         ("token_exports/step_3/rank_0.jsonl", prime_export_file),
-                        ("rollouts/step_3/rank_0.bin", prime_rollouts_file), ("dump/train_data/3.pt", slime_train_file)]:
+                        ("rollouts/step_3/rank_0.bin", prime_rollouts_file),
+                        ("dump/train_data/3.pt", slime_train_file)]:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         write(root / name, truth)
     (root / "gen_batch.dp").write_bytes(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\rverl.protocol\x94"

@@ -289,8 +289,8 @@ def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = Non
         logprobs = _logprobs(row["logprobs"], name["logprobs"], n, path, where)
         mask = None
         if not _missing(row["mask"]):
-            mask = [bool(m) for m in _checked(row["mask"], name["mask"], "booleans (true/false or 0/1)", _is_bool, path,
-                                              where, n)]
+            mask = [bool(m) for m in _checked(row["mask"], name["mask"], "booleans (true/false or 0/1)", _is_bool,
+                                              path, where, n)]
         scored += n if mask is None else sum(mask)
         sampler = row["sampler_logprobs"]
         sampler = None if _missing(sampler) else _logprobs(sampler, name["sampler_logprobs"], n, path, where)
@@ -302,10 +302,9 @@ def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = Non
             adapter = None
         elif not isinstance(adapter, str) or not adapter:
             raise InputError(path, f"adapter must be an adapter name or null, found {adapter!r}", key=where)
+        temperature = _temperature(row["temperature"], name["temperature"], n, path, where)
         records.append(dict(sample_id=sample_id, adapter=adapter, input_ids=ids, logprobs=logprobs, mask=mask,
-                            sampler_logprobs=sampler, temperature=_temperature(row["temperature"], name["temperature"], n, path,
-                                                                     where),
-                            routed_experts=routes))
+                            sampler_logprobs=sampler, temperature=temperature, routed_experts=routes))
     if scored == 0:
         raise InputError(path, "the mask leaves no scored token in any sample (every value is false)", key="mask")
     if len(shapes) > 1:
@@ -391,8 +390,7 @@ def _temperature(value, column: str, n: int, path, where) -> float | list[float]
     what = "a number > 0 or a list of len(input_ids)-1 numbers > 0"
     if isinstance(value, (str, bytes, dict)) or not (_is_number(value) or hasattr(value, "__len__")):
         raise InputError(path, f"{column} must be {what}, found {type(value).__name__} {value!r:.40}", key=where)
-    values = [value] if _is_number(value) else _checked(value, column, "numbers > 0", _is_number, path,
-                                                        where, n)
+    values = [value] if _is_number(value) else _checked(value, column, "numbers > 0", _is_number, path, where, n)
     array = np.asarray([float(v) if abs(v) < 1e308 else math.inf for v in values], dtype=np.float64)
     bad = np.flatnonzero(~(np.isfinite(array) & (array > 0)))
     if len(bad):
