@@ -256,7 +256,7 @@ def command(name: str, examples: tuple[str, ...]):
     return register
 
 
-@command("inspect", examples=(
+@cli.command(name="inspect", epilog=epilog(
     "lora-eval inspect --model Qwen3-30B-A3B --adapter mine=runs/adapter-1200",
     "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved",
     "lora-eval inspect --reference logs/train_data_step3.jsonl"))
@@ -273,6 +273,11 @@ def command(name: str, examples: tuple[str, ...]):
 def inspect_cmd(**arguments):
     """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts (--model); or what
     a reference file holds: its format, samples, tokens, sides, temperatures and routes (--reference)."""
+    if arguments["model_dir"] is None:  # (answered here, before the work and torch are imported)
+        if arguments["adapters"] or arguments["gate_up_layout"] or arguments["reference"] is None:
+            raise click.UsageError("Missing option '--model'." if arguments["reference"] is not None
+                                   or arguments["adapters"] else "Missing option '--model' or '--reference'.")
+    run("inspect", **arguments)
 
 
 @command("dump-reference", examples=(

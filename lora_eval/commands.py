@@ -15,7 +15,7 @@ import torch
 from .distributed import Ranks, together
 from .engine.engine import EngineOptions
 from .engine.plan import plan, plan_text
-from .errors import EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD, InputError
+from .errors import EXIT_INTERNAL, EXIT_PASS, EXIT_THRESHOLD
 from .launch import launch
 from .render.diagnose import diagnose_summary
 from .render.files import phase_times, render, summary_text, verdict
@@ -52,14 +52,10 @@ def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_bu
 
 
 def inspect_command(model_dir, adapters, gate_up_layout, reference=None, temperature=None):
-    if model_dir is None and reference is None:
-        raise InputError("inspect", "give --model (and --adapter) to inspect adapters, or --reference FILE")
     if reference is not None:
         click.echo("\n".join(describe_lines(describe_reference(reference, temperature))))
     if model_dir is not None:
         inspect_model(model_dir, adapters, gate_up_layout)
-    elif adapters:
-        raise InputError("--adapter", "needs --model (the model the adapters are for)")
 
 
 def inspect_model(model_dir, adapters, gate_up_layout):

@@ -391,3 +391,9 @@ def test_framework_files_need_the_adapter_named(seed, tmp_path):
         with pytest.raises(InputError, match=f"has no adapter column: give it as NAME={path.name}"):
             read_reference(path, temperature=temperature)
         assert read_reference(path, adapter="base", temperature=temperature)["adapter"].isna().all()
+
+
+def test_inspect_needs_a_model_or_a_reference():
+    for args, line in [(["inspect"], "error: Missing option '--model' or '--reference'."),
+                       (["inspect", "--reference", "r.jsonl", "--adapter", "a=b"], "error: Missing option '--model'.")]:
+        assert_input_error(CliRunner().invoke(cli, args), line)
