@@ -256,14 +256,28 @@ def command(name: str, examples: tuple[str, ...]):
     return register
 
 
-@command("inspect", examples=(
+@cli.command(name="inspect", epilog=epilog(
     "lora-eval inspect --model Qwen3-30B-A3B --adapter mine=runs/adapter-1200",
-    "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved"))
-@model_and_adapters
+    "lora-eval inspect --model gpt-oss-20b --adapter a=ADAPTER --gate-up-layout interleaved",
+    "lora-eval inspect --reference logs/train_data_step3.jsonl"))
+@click.option("--model", "model_dir", default=None, type=click.Path(), help="Local Hugging Face checkpoint folder.")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
+              callback=lambda ctx, param, values: parse_named_paths(values, "--adapter"),
+              help="A PEFT adapter folder (repeatable; with --model).")
 @click.option("--gate-up-layout", type=click.Choice(["interleaved", "concatenated"]), default=None,
               help="Row order of a fused 3D gate_up LoRA (see compare --help).")
+@click.option("--reference", default=None, type=click.Path(), metavar="FILE",
+              help="A reference dump (native or an RL framework's): say what it holds.")
+@click.option("--temperature", default=None, type=Number(positive=True), metavar="T",
+              help="With --reference: the sampling temperature of a file that records none (as compare's).")
 def inspect_cmd(**arguments):
-    """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts."""
+    """Show each adapter's layout, targets per module kind, ranks, scalings and parameter counts (--model); or what
+    a reference file holds: its format, samples, tokens, sides, temperatures and routes (--reference)."""
+    if arguments["model_dir"] is None:  # (answered here, before the work and torch are imported)
+        if arguments["adapters"] or arguments["gate_up_layout"] or arguments["reference"] is None:
+            raise click.UsageError("Missing option '--model'." if arguments["reference"] is not None
+                                   or arguments["adapters"] else "Missing option '--model' or '--reference'.")
+    run("inspect", **arguments)
 
 
 @command("dump-reference", examples=(

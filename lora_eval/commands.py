@@ -28,6 +28,7 @@ from .tasks.demo import claim_folder, run_demo
 from .tasks.diagnose.task import diagnose
 from .tasks.dump_reference import dump_reference
 from .tasks.inspect_adapters import inspect_adapters
+from .tasks.inspect_reference import describe_lines, describe_reference
 from .tasks.mmlu.task import mmlu
 
 
@@ -50,7 +51,14 @@ def engine_options(device, dtype, gate_up_layout, no_cuda_graphs=False, graph_bu
                          batch_invariant=batch_invariant, prefix_cache=not no_prefix_cache)
 
 
-def inspect_command(model_dir, adapters, gate_up_layout):
+def inspect_command(model_dir, adapters, gate_up_layout, reference=None, temperature=None):
+    if reference is not None:
+        click.echo("\n".join(describe_lines(describe_reference(reference, temperature))))
+    if model_dir is not None:
+        inspect_model(model_dir, adapters, gate_up_layout)
+
+
+def inspect_model(model_dir, adapters, gate_up_layout):
     summary, table = inspect_adapters(model_dir, adapters, gate_up_layout)
     moe = f", {summary['experts']} experts top-{summary['top_k']} in {summary['sparse_layers']} layers" \
         if summary["experts"] else ""

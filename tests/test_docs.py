@@ -46,6 +46,7 @@ from lora_eval.golden import golden
 from lora_eval.inputs.references import read_reference
 from lora_eval.tasks.bench import small_config
 from lora_eval.tasks.demo import PROMPTS
+from tests.rl_dumps import framework_kit
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -69,6 +70,11 @@ PLACEHOLDERS = {
     "dump.pt": "ref.parquet's base rows as a serving-engine .pt dump",
     "references": "references/demo-golden.parquet (python -m lora_eval.golden reads ./references)",
     "runs": "an empty folder for run folders",
+    "logs": "ref.parquet's `mine` rows as NeMo-RL's train_data_step3.jsonl (tests/rl_dumps.py, as the next four)",
+    "token_exports": "the same as prime-rl's token export step_3/rank_0.jsonl",
+    "rollouts": "the same as prime-rl's rollouts step_3/rank_0.bin",
+    "dump": "the same as slime's train dump train_data/3.pt",
+    "gen_batch.dp": "a pickle naming verl's DataProto (refused unopened)",
 }
 MAKE_REFERENCE = ("lora-eval dump-reference --model MODEL --adapter mine=ADAPTER --prompts prompts.jsonl "
                   "--out ref.parquet")
@@ -227,6 +233,7 @@ def kit(tmp_path_factory) -> Path:
     with open(root / "ref.jsonl", "w") as f:  # (read_reference gives lists, and NaN or None where a value is missing)
         for row in ref.to_dict("records"):
             f.write(json.dumps({k: v for k, v in row.items() if not (v is None or v != v)}) + "\n")
+    framework_kit(root, ref[ref["adapter"] == "mine"], json.loads((KIT / "model" / "config.json").read_text()))
     base = ref[ref["adapter"].isna()]
     torch.save({"tokens": [torch.tensor(list(ids)) for ids in base["input_ids"]],
                 "training_logprobs": [torch.tensor(list(lp)) for lp in base["logprobs"]]}, root / "dump.pt")

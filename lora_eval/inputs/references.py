@@ -59,8 +59,8 @@ def read_reference(path: str | Path, adapter: str | None = None, vocab_size: int
                          "for the base model)")
     if adapter is not None:
         frame["adapter"] = None if adapter == BASE else adapter
-    frame = validate(frame, path, vocab_size)
-    frame["temperature"] = resolve_temperature(frame, form, temperature, path)
+    frame = validate(frame, path, vocab_size, form.names())
+    frame["temperature"] = _objects(resolve_temperature(frame, form, temperature, path), frame)
     return frame
 
 
@@ -243,11 +243,14 @@ def _refuse_padding(value: torch.Tensor, key: str, bad) -> None:
                   "as a list of 1-D tensors (one per sample, unpadded)")
 
 
-def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = None) -> pd.DataFrame:
+def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = None,
+             names: dict[str, str] | None = None) -> pd.DataFrame:
     """Check every sample strictly and normalise it to Python lists (temperature: None, a float or a list of floats;
     routed_experts: None or an int32 array [n, layers, top_k], of one shape after the first dimension in a file);
     errors name the file, the line (JSONL) or row, the sample and the column. `vocab_size`: token ids must lie in
-    [0, vocab_size). Whether the routes fit the model (its layers, top_k and experts) is compare's check."""
+    [0, vocab_size). Whether the routes fit the model (its layers, top_k and experts) is compare's check. `names`:
+    a column's key in the file read (a framework's), for the messages."""
+    name = {column: column for column in COLUMNS} | (names or {})
     if len(frame) == 0:
         raise InputError(path, "no samples")
     for column in ("input_ids", "logprobs"):
@@ -274,24 +277,24 @@ def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = Non
             raise InputError(path, f"sample_id is also used by {seen[sample_id]}; it must be unique within a file",
                              key=where)
         seen[sample_id] = origin
-        ids = _checked(row["input_ids"], "input_ids", "integer token ids", _is_int, path, where)
+        ids = _checked(row["input_ids"], name["input_ids"], "integer token ids", _is_int, path, where)
         if len(ids) < 2:
-            raise InputError(path, f"input_ids must hold at least 2 token ids, found {len(ids)}", key=where)
+            raise InputError(path, f"{name['input_ids']} must hold at least 2 token ids, found {len(ids)}", key=where)
         if vocab_size is not None:
             bad = _first_outside(ids, vocab_size)
             if bad is not None:
-                raise InputError(path, f"input_ids: token id {bad} is outside the model's vocabulary "
+                raise InputError(path, f"{name['input_ids']}: token id {bad} is outside the model's vocabulary "
                                  f"[0, {vocab_size})", key=where)
         n = len(ids) - 1
-        logprobs = _logprobs(row["logprobs"], "logprobs", n, path, where)
+        logprobs = _logprobs(row["logprobs"], name["logprobs"], n, path, where)
         mask = None
         if not _missing(row["mask"]):
-            mask = [bool(m) for m in _checked(row["mask"], "mask", "booleans (true/false or 0/1)", _is_bool, path,
-                                              where, n)]
+            mask = [bool(m) for m in _checked(row["mask"], name["mask"], "booleans (true/false or 0/1)", _is_bool,
+                                              path, where, n)]
         scored += n if mask is None else sum(mask)
         sampler = row["sampler_logprobs"]
-        sampler = None if _missing(sampler) else _logprobs(sampler, "sampler_logprobs", n, path, where)
-        routes = _routes(row["routed_experts"], n, path, where)
+        sampler = None if _missing(sampler) else _logprobs(sampler, name["sampler_logprobs"], n, path, where)
+        routes = _routes(row["routed_experts"], name["routed_experts"], n, path, where)
         if routes is not None:
             shapes.setdefault(routes.shape[1:], where)
         adapter = row["adapter"]
@@ -299,16 +302,24 @@ def validate(frame: pd.DataFrame, path: str | Path, vocab_size: int | None = Non
             adapter = None
         elif not isinstance(adapter, str) or not adapter:
             raise InputError(path, f"adapter must be an adapter name or null, found {adapter!r}", key=where)
+        temperature = _temperature(row["temperature"], name["temperature"], n, path, where)
         records.append(dict(sample_id=sample_id, adapter=adapter, input_ids=ids, logprobs=logprobs, mask=mask,
-                            sampler_logprobs=sampler, temperature=_temperature(row["temperature"], n, path, where),
-                            routed_experts=routes))
+                            sampler_logprobs=sampler, temperature=temperature, routed_experts=routes))
     if scored == 0:
         raise InputError(path, "the mask leaves no scored token in any sample (every value is false)", key="mask")
     if len(shapes) > 1:
         (one, first), (other, second) = list(shapes.items())[:2]
         raise InputError(path, f"routed_experts has {other[0]} layers x top-{other[1]} in {second} but {one[0]} x "
-                         f"top-{one[1]} in {first}: a file's routes come from one model", key="routed_experts")
-    return pd.DataFrame(records, columns=COLUMNS)
+                         f"top-{one[1]} in {first}: a file's routes come from one model", key=name["routed_experts"])
+    frame = pd.DataFrame(records, columns=COLUMNS)
+    frame["temperature"] = _objects([r["temperature"] for r in records], frame)
+    return frame
+
+
+def _objects(values: list, frame: pd.DataFrame) -> pd.Series:
+    """A column of None, floats and lists as objects: None stays None (pandas makes floats and None a float column,
+    None becoming NaN)."""
+    return pd.Series(values, index=frame.index, dtype=object)
 
 
 def _missing(value) -> bool:
@@ -371,26 +382,25 @@ def _logprobs(value, column: str, length: int, path, where) -> list[float]:
     return array.tolist()
 
 
-def _temperature(value, n: int, path, where) -> float | list[float] | None:
+def _temperature(value, column: str, n: int, path, where) -> float | list[float] | None:
     """None (not recorded), one temperature > 0 for the sample, or one per position (entry p: the temperature token
     p+1 was sampled at)."""
     if _missing(value):
         return None
     what = "a number > 0 or a list of len(input_ids)-1 numbers > 0"
     if isinstance(value, (str, bytes, dict)) or not (_is_number(value) or hasattr(value, "__len__")):
-        raise InputError(path, f"temperature must be {what}, found {type(value).__name__} {value!r:.40}", key=where)
-    values = [value] if _is_number(value) else _checked(value, "temperature", "numbers > 0", _is_number, path,
-                                                        where, n)
+        raise InputError(path, f"{column} must be {what}, found {type(value).__name__} {value!r:.40}", key=where)
+    values = [value] if _is_number(value) else _checked(value, column, "numbers > 0", _is_number, path, where, n)
     array = np.asarray([float(v) if abs(v) < 1e308 else math.inf for v in values], dtype=np.float64)
     bad = np.flatnonzero(~(np.isfinite(array) & (array > 0)))
     if len(bad):
         at = "" if _is_number(value) else f" at position {int(bad[0])}"
-        raise InputError(path, f"temperature must be finite and > 0, found {values[int(bad[0])]!r:.40}{at}",
+        raise InputError(path, f"{column} must be finite and > 0, found {values[int(bad[0])]!r:.40}{at}",
                          key=where)
     return float(array[0]) if _is_number(value) else array.tolist()
 
 
-def _routes(value, n: int, path, where) -> np.ndarray | None:
+def _routes(value, column: str, n: int, path, where) -> np.ndarray | None:
     """None, or the sampler's routed experts as int32 [n, layers, top_k]: row p the experts chosen when token p was
     the forward's input (vLLM's `routed_experts`: the last token was never an input, so it has no row)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -399,18 +409,18 @@ def _routes(value, n: int, path, where) -> np.ndarray | None:
     try:
         array = _nested(value)
     except (ValueError, TypeError, RecursionError):
-        raise InputError(path, f"routed_experts must be {expected}, with rows of one length", key=where) from None
+        raise InputError(path, f"{column} must be {expected}, with rows of one length", key=where) from None
     if array.ndim != 3 or array.dtype.kind not in "iu" or 0 in array.shape[1:]:
         kind = {"b": "booleans", "f": "floats", "O": "mixed values", "U": "strings"}.get(array.dtype.kind, "integers")
-        raise InputError(path, f"routed_experts must be {expected}, found shape {list(array.shape)} of {kind}",
+        raise InputError(path, f"{column} must be {expected}, found shape {list(array.shape)} of {kind}",
                          key=where)
     if array.shape[0] != n:
-        raise InputError(path, f"routed_experts has {array.shape[0]} rows, expected len(input_ids)-1 = {n} (row p: "
+        raise InputError(path, f"{column} has {array.shape[0]} rows, expected len(input_ids)-1 = {n} (row p: "
                          "the experts chosen when token p was the input; the last token never was)", key=where)
     outside = np.argwhere((array < 0) | (array > np.iinfo(np.int32).max))
     if len(outside):
         p, layer, j = (int(i) for i in outside[0])
-        raise InputError(path, f"routed_experts holds {array[p, layer, j]} at position {p}, layer {layer}, slot {j}: "
+        raise InputError(path, f"{column} holds {array[p, layer, j]} at position {p}, layer {layer}, slot {j}: "
                          "expert ids are integers >= 0", key=where)
     return array.astype(np.int32)
 

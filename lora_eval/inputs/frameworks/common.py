@@ -29,9 +29,16 @@ class Format:
     temperature_key: str | None = None
     adapter_column: bool = False
     compared: str = "trainer"
+    keys: tuple[tuple[str, str], ...] = ()  # (our column, the file's key) where they differ, for messages
 
     def sampler_only(self) -> Format:
-        return replace(self, compared="sampler")
+        """The format of a file that carries the sampler side alone: `logprobs` holds it."""
+        keys = dict(self.keys)
+        keys["logprobs"] = keys.pop("sampler_logprobs", "sampler_logprobs")
+        return replace(self, compared="sampler", keys=tuple(keys.items()))
+
+    def names(self) -> dict[str, str]:
+        return dict(self.keys)
 
 
 class NotPlain(Exception):

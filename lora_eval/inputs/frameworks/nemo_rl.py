@@ -22,7 +22,9 @@ from .common import Format, length, numbers
 KEYS = {"token_ids", "input_lengths", "token_loss_mask", "generation_logprobs", "prev_logprobs"}
 FORMAT = Format("NeMo-RL train_data_step{N}.jsonl",
                 "NVIDIA-NeMo/RL @ 7ea279a: nemo_rl/algorithms/grpo.py, nemo_rl/utils/logger.py",
-                temperature_key="policy.generation.temperature")
+                temperature_key="policy.generation.temperature",
+                keys=(("input_ids", "token_ids"), ("logprobs", "prev_logprobs"),
+                      ("sampler_logprobs", "generation_logprobs"), ("mask", "token_loss_mask")))
 
 
 def detect(keys) -> bool:

@@ -29,9 +29,12 @@ from .common import Format, numbers
 SOURCE = "PrimeIntellect-ai/prime-rl @ 559b447"
 EXPORT_KEYS = {"schema_version", "token_ids", "loss_mask", "inference_logprobs", "trainer_logprobs"}
 EXPORT = Format("prime-rl token export (token_exports/step_s/rank_r.jsonl)",
-                f"{SOURCE}: src/prime_rl/trainer/rl/token_export.py", temperature_key="sampling.temperature")
+                f"{SOURCE}: src/prime_rl/trainer/rl/token_export.py", temperature_key="sampling.temperature",
+                keys=(("input_ids", "token_ids"), ("logprobs", "trainer_logprobs"),
+                      ("sampler_logprobs", "inference_logprobs"), ("mask", "loss_mask")))
 ROLLOUTS = Format("prime-rl rollouts (rollouts/step_s/rank_r.bin, msgpack MicroBatch)",
-                  f"{SOURCE}: src/prime_rl/transports/rollouts/types.py, filesystem.py", compared="sampler")
+                  f"{SOURCE}: src/prime_rl/transports/rollouts/types.py, filesystem.py", compared="sampler",
+                  keys=(("logprobs", "inference_logprobs"), ("mask", "loss_mask"), ("temperature", "temperatures")))
 FIELDS = ["input_ids", "loss_mask", "advantages", "inference_logprobs", "position_ids", "sequence_lengths",
           "temperatures", "env_names", "seq_lens", "ref_logprobs", "routed_experts"]  # the first 11 of MicroBatch
 

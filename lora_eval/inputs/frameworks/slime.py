@@ -27,13 +27,15 @@ from .common import EXPORTS, Format, length, numbers, routes
 
 SOURCE = "THUDM/slime @ 624b824"
 TEMPERATURE = "--rollout-temperature"
+KEYS = (("input_ids", "tokens"), ("logprobs", "log_probs"), ("sampler_logprobs", "rollout_log_probs"),
+        ("mask", "loss_mask"), ("routed_experts", "rollout_routed_experts"))
 ROLLOUT = Format("slime rollout dump (rollout_data/{id}.pt)",
                  f"{SOURCE}: slime/observability/rollout_data_utils.py, slime/utils/types.py",
-                 temperature_key=TEMPERATURE, compared="sampler")
+                 temperature_key=TEMPERATURE, keys=KEYS).sampler_only()
 TRAIN = Format("slime train dump (train_data/{id}.pt, format_version 2)",
-               f"{SOURCE}: slime/observability/train_data_utils.py", temperature_key=TEMPERATURE)
+               f"{SOURCE}: slime/observability/train_data_utils.py", temperature_key=TEMPERATURE, keys=KEYS)
 # key in the rollout dump's samples -> key in the train dump's
-KEYS = dict(response_length="response_lengths", loss_mask="loss_masks")
+TRAIN_KEYS = dict(response_length="response_lengths", loss_mask="loss_masks")
 
 
 def detect(data) -> bool:
@@ -51,14 +53,14 @@ def read(path: Path, data: dict) -> tuple[Format, pd.DataFrame]:
         where = f"sample {i}"
         if not isinstance(sample, dict) or "tokens" not in sample:
             raise InputError(path, "expected a dict with 'tokens'", key=where)
-        get = (lambda key: sample.get(KEYS.get(key, key))) if train else sample.get
+        get = (lambda key: sample.get(TRAIN_KEYS.get(key, key))) if train else sample.get
         rows.append(_sample(path, where, get, f"{path}:{i}"))
     has_trainer = [r.pop("trainer") is not None for r in rows]
     if any(has_trainer) and not all(has_trainer):
         raise InputError(path, f"sample {has_trainer.index(False)} has no log_probs but others have: a file is "
                          "compared on one side")
     form = TRAIN if train else ROLLOUT
-    if not any(has_trainer):
+    if not any(has_trainer) and form.compared == "trainer":
         return form.sampler_only(), pd.DataFrame(rows)
     return form, pd.DataFrame(rows)
 
