@@ -183,6 +183,10 @@ class CompareTask(Task):
         with run.phases("load"):
             self.engine = self.engine or Engine.load(self.model, self.parsed, options)
         # said once every input (the weights too) is checked: an input error stays the only line on stderr
+        for adapter in self.engine.adapters:  # a layout its files cannot tell apart: the gate and k2 decide
+            for decision in adapter.decisions:
+                if "AMBIGUOUS" in decision:
+                    run.notice(f"compare: adapter '{adapter.name}': {decision}")
         if options.prefix_cache and options.expert_parallel:
             run.notice("compare: shared prefixes are off under --expert-parallel (every rank takes part in every "
                        "forward); full samples run")
@@ -272,6 +276,7 @@ class CompareTask(Task):
                               computed_share=tokens_computed / max(full, 1), this_process=engine.prefix_stats()),
             tokens_per_s=run.work.stats()["computed"] / max(phases.timings()["forward_s"], 1e-9), gates=gate_record,
             quantization=engine.model.args.quantization, tokenizer=str(self.model) if decode else None,
+            adapters_read={a.name: a.decisions for a in engine.adapters if a.decisions},
             cuda_graphs=engine.graph_stats())
         return CompareResult(summary=summary, samples=samples, tokens=tokens, worst=worst, run=record, gates=gates,
                              routing=routing)
