@@ -459,7 +459,6 @@ def test_unsupported_rope_type(art, tmp_path):
     ("bias", "all", "bias"),
     ("fan_in_fan_out", True, "fan_in_fan_out"),
     ("layer_replication", [[0, 2]], "layer replication"),
-    ("trainable_token_indices", [1, 2], "trainable tokens"),
     ("peft_type", "LOHA", "LOHA"),
     ("some_future_setting", 3, "unknown setting"),
 ])

@@ -74,14 +74,17 @@ def test_temperature_matches_the_tempered_oracle(setup, seed):
 
 def test_temperature_with_shared_prefixes(setup, seed):
     """Rows sharing 8 leading tokens: prefix reuse gives the whole-row numbers, also when the rows' temperatures
-    differ over the prefix (each gets its own prefix pass)."""
+    differ over the prefix (each gets its own prefix pass), per row or per position."""
     _, _, engine = setup
     g = torch.Generator().manual_seed(seed)
     head = torch.randint(0, VOCAB, (8,), generator=g).tolist()
     seqs = [head + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 5, 4)]
-    temps = [0.6, 0.6, 1.4]
-    whole = engine.logprobs(Batch(seqs, ["a"] * 3, temperatures=temps))
-    shared = engine.logprobs(Batch(seqs, ["a"] * 3, prefixes=[7, 7, 7], temperatures=temps))
+    seqs.append(seqs[2])  # the same tokens at other temperatures: its own prefix pass
+    per_token = (0.5 + torch.rand(len(seqs[3]) - 1, generator=g)).tolist()
+    temps = [0.6, 0.6, 1.4, per_token]
+    whole = engine.logprobs(Batch(seqs, ["a"] * 4, temperatures=temps))
+    shared = engine.logprobs(Batch(seqs, ["a"] * 4, prefixes=[7] * 4, temperatures=temps))
+    assert (whole[2] - whole[3]).abs().max().item() > 1e-2
     for w, s in zip(whole, shared):
         assert (w - s).abs().max().item() < TOL
 

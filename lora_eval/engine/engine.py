@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..adapters import Adapter, AdapterStack, load_adapter
@@ -159,16 +160,28 @@ class Batch:
                                  enumerate(zip(self.temperatures, self.input_ids))]
 
 
-def _row_temperatures(value, length: int, row: int) -> list[float] | None:
-    """A row's temperature as one float per predicted position (None: 1 everywhere), checked finite and > 0."""
+def _row_temperatures(value, length: int, row: int) -> float | list[float] | None:
+    """A row's temperature: None (1 everywhere), one float for every position, or one per predicted position,
+    checked finite and above 0 (vectorised: a row may hold thousands)."""
     if value is None:
         return None
-    values = [value] * (length - 1) if isinstance(value, (int, float)) else list(value)
-    if len(values) != length - 1:
-        raise InputError(f"row {row}", f"{len(values)} temperatures for {length - 1} predicted positions")
-    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf") for t in values):
+    scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        values = np.asarray([value] if scalar else value, dtype=np.float64)  # [1] or [length - 1]
+    except (TypeError, ValueError):
+        raise InputError(f"row {row}", "temperatures must be finite numbers above 0") from None
+    if not scalar and values.shape != (length - 1,):
+        raise InputError(f"row {row}", f"{values.size} temperatures for {length - 1} predicted positions")
+    if not (np.isfinite(values).all() and (values > 0).all()):
         raise InputError(f"row {row}", "temperatures must be finite numbers above 0")
-    return None if all(t == 1 for t in values) else [float(t) for t in values]
+    if (values == 1).all():
+        return None
+    return float(values[0]) if scalar or (values == values[0]).all() else values.tolist()
+
+
+def _slice_temperatures(t, start: int, stop: int | None = None):
+    """Positions start..stop of a row's temperature (None or a float stand for every position alike)."""
+    return t[start:stop] if isinstance(t, list) else t
 
 
 class Engine:
@@ -250,7 +263,7 @@ class Engine:
             return self._logprobs(batch.input_ids, slots, temperatures=temps, routes=batch.routes)
         entries = self._prefix_entries(batch, slots, with_logprobs=True, routes=batch.routes)
         rows = [ids if e is None else ids[e.length:] for ids, e in zip(batch.input_ids, entries)]
-        suffix_temps = [t if e is None or t is None else t[e.length:] for t, e in zip(temps, entries)]
+        suffix_temps = [t if e is None else _slice_temperatures(t, e.length) for t, e in zip(temps, entries)]
         return self._logprobs(rows, slots, entries, temperatures=suffix_temps, routes=batch.routes)
 
     def _prefix_entries(self, batch: Batch, slots: list[int], with_logprobs: bool,
@@ -265,14 +278,16 @@ class Engine:
             if not p:
                 entries.append(None)
                 continue
-            head = None if t is None or not with_logprobs else tuple(t[:p])
+            head = _slice_temperatures(t, 0, p) if with_logprobs else None
+            head = tuple(head) if isinstance(head, list) else head
             key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]), head, routes)
             entry = held.get(key) or self.prefix_cache.get(key)
             if entry is None:
                 kept, states, recorded = [], [], None
                 if with_logprobs:
                     lp = self._logprobs([list(key[2])], [slot], capture=(p, kept, states),
-                                        temperatures=[None if head is None else list(head)], routes=routes).get()
+                                        temperatures=[list(head) if isinstance(head, tuple) else head],
+                                        routes=routes).get()
                     if routes:
                         lp, recorded = lp[0], lp[1][0]
                     lp = lp[0]  # [p]
@@ -304,8 +319,9 @@ class Engine:
         targets = to_device([t for row in input_ids for t in row[1:]], device)  # [N]
         temps = None
         if temperatures is not None and any(t is not None for t in temperatures):
-            temps = to_device([x for t, n in zip(temperatures, lengths) for x in (t or [1.0] * (n - 1))], device,
-                              torch.float32)  # [N]
+            temps = to_device(torch.cat([torch.tensor(t, dtype=torch.float32) if isinstance(t, list) else torch.full(
+                (n - 1,), 1.0 if t is None else t, dtype=torch.float32) for t, n in zip(temperatures, lengths)]),
+                device, torch.float32)  # [N]
         head = self.model.lm_head
         head_slots = set()  # adapters that change lm_head (LoRA or their own copy)
         for table in (self.stack.dense, self.stack.overrides) if with_lora else ():
