@@ -442,6 +442,9 @@ def bench_cmd(**arguments):
               "both sides do not fit the device together).")
 @click.option("--batch-tokens", default=4096, type=click.IntRange(min=1), show_default=True,
               help="Padded tokens per batch of the pass that picks the samples.")
+@click.option("--temperature", default=None, type=Number(), metavar="T",
+              help="The sampling temperature of references that record none (as compare's): the samples are picked "
+                   "by k2 at it.")
 @device_options
 @invariant_option
 @run_options

@@ -161,12 +161,13 @@ def bench_command(config_path, layers, adapters, rank, targets, batches, dtype, 
 
 
 def diagnose_command(model_dir, adapters, references, out, samples, against_model, against_adapters, against_dtype,
-                     layer_by_layer, batch_tokens, device, dtype, gate_up_layout, batch_invariant, overwrite, quiet):
+                     layer_by_layer, batch_tokens, temperature, device, dtype, gate_up_layout, batch_invariant,
+                     overwrite, quiet):
     result = diagnose(model_dir, adapters, references, out=out,
                       options=engine_options(device, dtype, gate_up_layout, batch_invariant=batch_invariant),
                       samples=samples, against_model=against_model, against_dtype=against_dtype,
                       against_adapters=against_adapters, layer_by_layer=layer_by_layer, batch_tokens=batch_tokens,
-                      quiet=quiet, overwrite=overwrite, notice=notice)
+                      temperature=temperature, quiet=quiet, overwrite=overwrite, notice=notice)
     if speaks():
         click.echo(diagnose_summary(result))
         click.echo(f"\ntime: {phase_times(result.run)}")

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from lora_eval.cli import cli
 from lora_eval.engine.engine import Batch, Engine
 from lora_eval.errors import InputError
-from lora_eval.inputs.references import read_reference
+from lora_eval.inputs.references import read_reference, write_reference
 from lora_eval.results.routing import route_flips
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
@@ -308,3 +308,57 @@ def test_routes_that_do_not_fit_the_model_exit_2(setup, tempered, tmp_path):
     big["routed_experts"] = [(np.array(r) + 6).tolist() for r in frame["routed_experts"]]
     result = _compare(setup, _write_jsonl(big, tmp_path / "e.jsonl"), tmp_path / "run")
     assert_input_error(result, "e.jsonl", "outside the model's 6 experts")
+
+
+@pytest.mark.parametrize("framework", ["nemo_rl", "prime_rl_rollouts", "slime_train"])
+def test_a_framework_dump_compares_as_its_native_twin(setup, tempered, tmp_path, framework):
+    """The tempered reference's adapter rows written as the framework writes them (tests/rl_dumps.py, each writer
+    naming its source) and, independently, as a native file of the same samples: compare gives the same summary,
+    routing table and scored tokens (sample ids aside: the framework's are positions in its file)."""
+    from tests.rl_dumps import nemo_rl_file, prime_rollouts_file, slime_train_file
+
+    _, frame = tempered
+    rows = frame[frame["adapter"] == "a"].reset_index(drop=True)
+    prompt = 3  # slime's response starts after it: the positions before score nothing there
+    truth = []
+    for ids, lp, mask, routes in zip(rows["input_ids"], rows["logprobs"], rows["mask"], rows["routed_experts"]):
+        n = len(ids) - 1
+        mask = np.array(mask, dtype=bool) & (np.arange(n) >= prompt - 1)
+        truth.append(dict(ids=np.array(ids), mask=mask, trainer=np.array(lp),
+                          sampler=(np.array(lp) - 1e-3).astype(np.float32).astype(np.float64),  # (as Parquet holds it)
+                          temperature=np.full(n, 0.7), routes=np.array(routes), prompt=prompt))
+    write = {"nemo_rl": nemo_rl_file, "prime_rl_rollouts": prime_rollouts_file, "slime_train": slime_train_file}
+    dump = write[framework](tmp_path / f"{framework}.dump", truth)
+    compared = "sampler" if framework == "prime_rl_rollouts" else "trainer"
+    twin = pd.DataFrame([dict(
+        sample_id=f"t{i}", adapter="a", input_ids=t["ids"].tolist(), logprobs=t[compared].tolist(),
+        mask=t["mask"].tolist(), sampler_logprobs=None if compared == "sampler" else t["sampler"].tolist(),
+        temperature=0.7 if framework != "prime_rl_rollouts" else t["temperature"].tolist(),
+        routed_experts=None if framework == "nemo_rl" else t["routes"]) for i, t in enumerate(truth)])
+    native = write_reference(twin, tmp_path / "twin.parquet")
+    extra = () if framework == "prime_rl_rollouts" else ("--temperature", 0.7)
+    for name, ref in (("framework", f"a={dump}"), ("native", native)):
+        result = _compare(setup, ref, tmp_path / name, *extra)
+        assert result.exit_code == 0, (result.stdout, result.stderr)
+    read = {name: (pd.read_csv(tmp_path / name / "summary.csv"),
+                   pd.read_parquet(tmp_path / name / "tokens.parquet").query("mask").drop(columns="sample_id"))
+            for name in ("framework", "native")}
+    pd.testing.assert_frame_equal(read["framework"][0], read["native"][0])
+    pd.testing.assert_frame_equal(read["framework"][1].reset_index(drop=True),
+                                  read["native"][1].reset_index(drop=True))
+    if framework != "nemo_rl":
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "framework" / "routing.csv"),
+                                      pd.read_csv(tmp_path / "native" / "routing.csv"))
+
+
+def test_diagnose_picks_samples_by_k2_at_the_references_temperature(setup, tempered, tmp_path):
+    """diagnose's sample-picking k2 is taken at the reference's temperature: the dump made at T = 0.7 gives k2 ~ 0
+    for every sample it picks (at T = 1 they would be far off: test_a_tempered_reference_...)."""
+    from lora_eval.tasks.diagnose.task import diagnose
+
+    model_dir, adapter, _ = setup
+    _, frame = tempered
+    ref = _write_jsonl(frame.drop(columns=["routed_experts"]), tmp_path / "ref.jsonl")
+    result = diagnose(model_dir, {"a": adapter}, [ref], out=tmp_path / "run", options=CPU, samples=2, quiet=True)
+    picked = [s for entry in result.record["adapters"].values() for s in entry["samples"]]
+    assert picked and all(s["k2"] <= 1e-10 for s in picked), picked

@@ -66,7 +66,7 @@ from ...engine.engine import (DTYPES, Batch, Engine, EngineOptions, current_devi
 from ...engine.forward import Forward
 from ...engine.plan import check_fits, host_memory_available, plan
 from ...errors import InputError
-from ...inputs.checks import adapter_names, model_config, positive_int
+from ...inputs.checks import adapter_names, model_config, positive_int, threshold
 from ...inputs.references import read_reference, reference_arg, reference_inputs
 from ...models import load_model
 from ...names import AGAINST_ADAPTERS, BASE
@@ -92,16 +92,17 @@ POINT_OF = {"attention": "attention", "router_logits": "router", "moe": "moe", "
 def diagnose(model: str | Path, adapters: dict[str, str | Path] | None = None, references: list | tuple = (), *,
              out: str | Path | None = None, options: EngineOptions | None = None, samples: int = 8,
              against_model: str | Path | None = None, against_dtype: str = "float32", against_adapters: str = "same",
-             layer_by_layer: bool = False, batch_tokens: int = 4096, quiet: bool = False, overwrite: bool = False,
-             notice=print) -> DiagnoseResult:
+             layer_by_layer: bool = False, batch_tokens: int = 4096, temperature: float | None = None,
+             quiet: bool = False, overwrite: bool = False, notice=print) -> DiagnoseResult:
     """Compare the engine (side A) with a reference computation (side B) layer by layer on the reference samples it
     gets most wrong; return (and, with `out`, write as a run folder) the per-layer errors, the adapters' per-module
     effects and the first divergent layer per adapter. `references` holds paths or (adapter name, path) pairs, as
     for `compare`; `against_adapters` ("same" or "none"): whether side B runs the adapters; see the module notes for
-    the sides, the samples and the rule."""
+    the sides, the samples and the rule. `temperature`: as compare's (the k2 that picks the samples is taken at the
+    references' temperatures)."""
     task = DiagnoseTask(model, adapters, references, options=options, samples=samples, against_model=against_model,
                         against_dtype=against_dtype, against_adapters=against_adapters, layer_by_layer=layer_by_layer,
-                        batch_tokens=batch_tokens)
+                        batch_tokens=batch_tokens, temperature=temperature)
     return run_task(task, out, overwrite=overwrite, quiet=quiet, notice=notice)
 
 
@@ -123,6 +124,7 @@ class DiagnoseTask(Task):
     against_adapters: str
     layer_by_layer: bool
     batch_tokens: int
+    temperature: float | None = None
 
     def check(self, run: Run) -> dict:
         self.options = options = (self.options or EngineOptions()).resolved()
@@ -132,6 +134,8 @@ class DiagnoseTask(Task):
         self.adapters = adapter_names(self.adapters)
         self.samples = positive_int(self.samples, "--samples")
         self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")
+        if self.temperature is not None and threshold(self.temperature, "--temperature") == 0:
+            raise InputError("--temperature", "expected a finite number above 0, found 0")
         self.side_b = SideB.checked(self.model, self.against_model, self.against_dtype, self.against_adapters,
                                     self.adapters)
         if not self.references:
@@ -140,7 +144,8 @@ class DiagnoseTask(Task):
                              references=[reference_arg(r) for r in self.references], samples=self.samples,
                              against_model=None if self.against_model is None else str(self.against_model),
                              against_dtype=self.against_dtype, against_adapters=self.against_adapters,
-                             layer_by_layer=self.layer_by_layer, batch_tokens=self.batch_tokens)
+                             layer_by_layer=self.layer_by_layer, batch_tokens=self.batch_tokens,
+                             temperature=self.temperature)
         return run_inputs(self.model, self.adapters, reference=list(self.references),
                           against_model=self.against_model)
 
@@ -151,7 +156,7 @@ class DiagnoseTask(Task):
             _check_against(self.args, self.against_model)
         with run.phases("read"):
             self.refs, self.left_out = _read_references(self.references, adapters, self.args.vocab_size,
-                                                        side_b.merged)
+                                                        side_b.merged, self.temperature)
             self.lengths = [len(ids) for ids in self.refs["input_ids"]]
             self.batches = make_batches(self.lengths, self.batch_tokens)
         self.tags = [a if isinstance(a, str) else BASE for a in self.refs["adapter"]]
@@ -168,6 +173,8 @@ class DiagnoseTask(Task):
         task_options = dict(options.record(), samples=self.samples, against_dtype=self.against_dtype,
                             against_adapters=self.against_adapters, measured=self.measured,
                             batch_tokens=self.batch_tokens, rule=self.rule)
+        if self.temperature is not None:  # (only when set: an older run's fingerprint predates the option)
+            task_options["temperature"] = self.temperature
         return Plan(task_options)
 
     def hashed(self) -> list[Hashed]:
@@ -215,7 +222,8 @@ class DiagnoseTask(Task):
 
     def _k2_unit(self, b: int) -> pd.DataFrame:
         rows = self.refs.iloc[self.batches[b]]
-        logprobs = self.sides.a.logprobs(Batch(list(rows["input_ids"]), [_adapter(t) for t in rows["adapter"]]))
+        logprobs = self.sides.a.logprobs(Batch(list(rows["input_ids"]), [_adapter(t) for t in rows["adapter"]],
+                                               temperatures=list(rows["temperature"])))
         bad = first_non_finite(logprobs)
         if bad is not None:  # (k2 would pick the samples from NaN)
             raise overflow_error(self.model, self.adapters, _adapter(rows["adapter"].iloc[bad]),
@@ -667,15 +675,15 @@ def _check_against(args, against_model) -> None:
                              f"{getattr(args, field)}: side B must be the same architecture", key=key)
 
 
-def _read_references(references, adapters: dict, vocab_size: int,
-                     merged: str | None = None) -> tuple[pd.DataFrame, int]:
+def _read_references(references, adapters: dict, vocab_size: int, merged: str | None = None,
+                     temperature: float | None = None) -> tuple[pd.DataFrame, int]:
     """Every reference dump, checked (as compare checks them): adapters it names must be given, sample ids unique;
     and how many rows were left out. With `merged` (SideB.merged), only the rows under that adapter: the others are
     left out, not refused, so that one dump of several adapters serves each one's merged checkpoint."""
     frames = []
     for ref in references:
         name, path = ref if isinstance(ref, tuple) else (None, ref)
-        frame = read_reference(path, adapter=name, vocab_size=vocab_size)
+        frame = read_reference(path, adapter=name, vocab_size=vocab_size, temperature=temperature)
         unknown = sorted({a for a in frame["adapter"].dropna() if a not in adapters})
         if unknown and merged is None:
             known = ", ".join(sorted(adapters)) or "none (only the base model)"
