@@ -28,6 +28,7 @@ from lora_eval.engine.engine import Batch, Engine
 from lora_eval.errors import InputError
 from lora_eval.inputs.references import read_reference, write_reference
 from lora_eval.results.routing import route_flips
+from lora_eval.results.tables import read_run
 from tests.builders import load_hf, peft_oracle, random_sequences, save_random_peft_adapter
 from tests.cli_checks import assert_input_error
 from tests.conftest import CPU
@@ -296,6 +297,11 @@ def test_changed_routes_report_their_share(setup, tempered, tmp_path, seed):
     assert routing.loc[("overall", 2), "flips"] == changed and routing.loc[("overall", 0), "flips"] == 0
     junit = (tmp_path / "junit.xml").read_text()
     assert "routing_flip_rate &lt;=" in junit and "overall: routing_flip_rate =" in junit
+    for report in ("report.md", "report.html"):
+        text = (tmp_path / "run" / report).read_text()
+        assert "Routing against the sampler's routed experts" in text and "routing_flip_rate" in text
+    reread = read_run(tmp_path / "run")  # the tables read back as written
+    assert reread.routing.set_index(["adapter", "layer"]).loc[("overall", 2), "flips"] == changed
 
 
 def test_routes_that_do_not_fit_the_model_exit_2(setup, tempered, tmp_path):
