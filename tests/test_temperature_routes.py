@@ -368,3 +368,12 @@ def test_diagnose_picks_samples_by_k2_at_the_references_temperature(setup, tempe
     result = diagnose(model_dir, {"a": adapter}, [ref], out=tmp_path / "run", options=CPU, samples=2, quiet=True)
     picked = [s for entry in result.record["adapters"].values() for s in entry["samples"]]
     assert picked and all(s["k2"] <= 1e-10 for s in picked), picked
+
+
+@pytest.mark.parametrize("command", ["compare", "diagnose"])
+def test_a_temperature_of_zero_exits_2(setup, tempered, tmp_path, command):
+    model_dir, adapter, _ = setup
+    ref = _write_jsonl(tempered[1], tmp_path / "ref.jsonl")
+    result = _run(command, "--model", model_dir, "--adapter", f"a={adapter}", "--reference", ref, "--out",
+                  tmp_path / "run", "--temperature", 0, "--quiet")
+    assert_input_error(result, "--temperature", "above 0")

@@ -35,6 +35,13 @@ def threshold(value, option: str) -> float | None:
     return float(value)
 
 
+def temperature_option(value, option: str = "--temperature") -> float | None:
+    """A sampling temperature: None (not given) or a finite number above 0."""
+    if value is not None and threshold(value, option) == 0:
+        raise InputError(option, "expected a finite number above 0, found 0")
+    return None if value is None else float(value)
+
+
 def positive_int(value, option: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise InputError(option, f"expected an integer >= {low}, found {value!r}")

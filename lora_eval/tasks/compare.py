@@ -34,7 +34,7 @@ from ..engine.engine import DTYPES, Batch, Engine, EngineOptions, first_non_fini
 from ..engine.plan import check_fits
 from ..engine.prefixes import MIN_SHARED_TOKENS, grouped_order, prefix_bytes, shared_prefix_lengths
 from ..errors import InputError
-from ..inputs.checks import adapter_names, check_lengths, model_config, positive_int, threshold
+from ..inputs.checks import adapter_names, check_lengths, model_config, positive_int, temperature_option, threshold
 from ..inputs.references import read_reference, reference_arg, reference_inputs
 from ..inputs.tokenizer import load_decoder
 from ..names import BASE, OVERALL
@@ -104,8 +104,7 @@ class CompareTask(Task):
         self.max_mean_abs_diff = threshold(self.max_mean_abs_diff, "--max-mean-abs-diff")
         self.max_k2_over_floor = threshold(self.max_k2_over_floor, "--max-k2-over-floor")
         self.max_routing_flip_rate = threshold(self.max_routing_flip_rate, "--max-routing-flip-rate")
-        if self.temperature is not None and (threshold(self.temperature, "--temperature") == 0):
-            raise InputError("--temperature", "expected a finite number above 0, found 0")
+        self.temperature = temperature_option(self.temperature)
         if not isinstance(self.check_adapters, bool):
             raise InputError("check_adapters", f"expected True or False, found {self.check_adapters!r}")
         self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")

@@ -25,7 +25,7 @@ from ..adapters import load_adapter
 from ..engine.engine import DTYPES, EngineOptions, first_non_finite, overflow_error
 from ..errors import InputError
 from ..hf import quiet_libraries
-from ..inputs.checks import adapter_names, check_lengths, model_config, threshold
+from ..inputs.checks import adapter_names, check_lengths, model_config, temperature_option
 from ..inputs.prompts import read_prompts
 from ..inputs.references import read_reference, reference_bytes
 from ..models import check_loaded_weights, load_model
@@ -71,9 +71,9 @@ class DumpReferenceTask(Task):
     def check(self, run: Run) -> dict:
         self.options = (self.options or EngineOptions()).resolved()
         self.adapters = adapter_names(self.adapters)
-        if threshold(self.temperature, "--temperature") == 0:
-            raise InputError("--temperature", "expected a finite number above 0, found 0")
-        self.temperature = float(self.temperature)
+        if self.temperature is None:
+            raise InputError("--temperature", "expected a finite number above 0, found None")
+        self.temperature = temperature_option(self.temperature)
         run.arguments = dict(model=str(self.model_dir), adapters={k: str(v) for k, v in self.adapters.items()},
                              prompts=str(self.prompts), default_adapter=self.default_adapter,
                              temperature=self.temperature)

@@ -66,7 +66,7 @@ from ...engine.engine import (DTYPES, Batch, Engine, EngineOptions, current_devi
 from ...engine.forward import Forward
 from ...engine.plan import check_fits, host_memory_available, plan
 from ...errors import InputError
-from ...inputs.checks import adapter_names, model_config, positive_int, threshold
+from ...inputs.checks import adapter_names, model_config, positive_int, temperature_option
 from ...inputs.references import read_reference, reference_arg, reference_inputs
 from ...models import load_model
 from ...names import AGAINST_ADAPTERS, BASE
@@ -134,8 +134,7 @@ class DiagnoseTask(Task):
         self.adapters = adapter_names(self.adapters)
         self.samples = positive_int(self.samples, "--samples")
         self.batch_tokens = positive_int(self.batch_tokens, "--batch-tokens")
-        if self.temperature is not None and threshold(self.temperature, "--temperature") == 0:
-            raise InputError("--temperature", "expected a finite number above 0, found 0")
+        self.temperature = temperature_option(self.temperature)
         self.side_b = SideB.checked(self.model, self.against_model, self.against_dtype, self.against_adapters,
                                     self.adapters)
         if not self.references:
