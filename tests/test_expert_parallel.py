@@ -131,6 +131,40 @@ def test_compare_under_torchrun_matches_one_process(demo, tmp_path, ranks):
     assert run["fingerprint"]["options"]["expert_parallel"] and len(run["work"]["ranks"]) == ranks
 
 
+def test_routes_under_expert_parallel_match_one_process(demo, tmp_path, seed):
+    """The sampler's routes (the engine's own, the first MoE layer's changed at random positions) compared under
+    --expert-parallel over 2 ranks: routing.csv and the summary's flip rates as one process gives them (each rank
+    records the routing of its own rows; the router is whole on every rank)."""
+    from lora_eval.inputs.references import read_reference, write_reference
+
+    ref = read_reference(demo / "reference.parquet")
+    engine = Engine.load(demo / "model", {a: demo / "adapters" / a for a in ("peft-all-linear", "tinker-shared-outer")},
+                         CPU)
+    tags = [a if isinstance(a, str) else None for a in ref["adapter"]]  # (base rows: NaN in pandas' str column)
+    _, routes = engine.logprobs(Batch(list(ref["input_ids"]), tags, routes=True))
+    rng = np.random.default_rng(seed)
+    changed = []
+    for ids, _ in routes:
+        r = ids.numpy().astype(np.int32)  # [n, MoE layers, k]
+        for p in np.flatnonzero(rng.random(len(r)) < 0.3):
+            r[p, 0, 0] = min(set(range(engine.model.args.num_experts)) - set(r[p, 0].tolist()))  # another set
+        changed.append(r)
+    routed = write_reference(ref.assign(routed_experts=changed), tmp_path / "routed.parquet")
+
+    def args(out):
+        return [routed if a == demo / "reference.parquet" else a for a in demo_compare(demo, out)] + ["--max-k2", 100]
+    one = CliRunner().invoke(cli, [str(a) for a in [*args(tmp_path / "one"), "--quiet"]])
+    assert one.exit_code == 0, (one.stdout, one.stderr)
+    code, stdout, stderr = finish(torchrun(2, [*args(tmp_path / "ep"), "--expert-parallel"]))
+    assert code == 0, (stdout, stderr)
+    a, b = (pd.read_csv(folder / "routing.csv") for folder in (tmp_path / "one", tmp_path / "ep"))
+    pd.testing.assert_frame_equal(a, b)
+    assert a["flips"].sum() > 0
+    ours, theirs = (pd.read_csv(f / "summary.csv").set_index("adapter")["routing_flip_rate"] for f in
+                    (tmp_path / "ep", tmp_path / "one"))
+    pd.testing.assert_series_equal(ours, theirs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallel over GPUs needs two of them")
 def test_expert_parallel_over_two_gpus_matches_one_gpu(demo, tmp_path):
