@@ -90,7 +90,7 @@ def test_temperature_with_shared_prefixes(setup, seed):
         assert (w - s).abs().max().item() < TOL
 
 
-def test_bad_temperatures_are_refused(setup):
+def test_bad_temperatures_are_refused():
     with pytest.raises(InputError, match="above 0"):
         Batch([[1, 2, 3]], [None], temperatures=[0.0])
     with pytest.raises(InputError, match="2 predicted positions"):

@@ -278,16 +278,15 @@ class Engine:
             if not p:
                 entries.append(None)
                 continue
-            head = _slice_temperatures(t, 0, p) if with_logprobs else None
-            head = tuple(head) if isinstance(head, list) else head
-            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]), head, routes)
+            head = _slice_temperatures(t, 0, p) if with_logprobs else None  # the prefix positions' temperature
+            key = (slot, with_logprobs, tuple(ids[:p + 1] if with_logprobs else ids[:p]),
+                   tuple(head) if isinstance(head, list) else head, routes)
             entry = held.get(key) or self.prefix_cache.get(key)
             if entry is None:
                 kept, states, recorded = [], [], None
                 if with_logprobs:
                     lp = self._logprobs([list(key[2])], [slot], capture=(p, kept, states),
-                                        temperatures=[list(head) if isinstance(head, tuple) else head],
-                                        routes=routes).get()
+                                        temperatures=[head], routes=routes).get()
                     if routes:
                         lp, recorded = lp[0], lp[1][0]
                     lp = lp[0]  # [p]

@@ -203,10 +203,9 @@ class CompareTask(Task):
         rows = self.refs.iloc[self.units[u]]
         tags = [a if isinstance(a, str) and u < len(self.batches) else None for a in rows["adapter"]]
         before = self.engine.tokens_computed
-        temps = rows.get("temperature")
         logprobs = self.engine.start_logprobs(Batch(
             list(rows["input_ids"]), tags, [self.prefix[i] for i in self.units[u]] if self.use_prefixes else None,
-            temperatures=None if temps is None else list(temps), routes=self.with_routes[u]))
+            temperatures=list(rows["temperature"]), routes=self.with_routes[u]))
         return logprobs, self.engine.tokens_computed - before
 
     def _finish(self, u, started) -> pd.DataFrame:
