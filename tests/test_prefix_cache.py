@@ -197,8 +197,10 @@ def test_mmlu_with_and_without_the_prefix_cache(family, tmp_path_factory, sessio
                                     limit=RIG_LIMIT, shots=5, options=options, quiet=True, batch_tokens=4096)
     full, prefix = runs["full"].questions, runs["prefix"].questions
     assert len(full) == 2 * len(RIG_SUBJECTS) * RIG_LIMIT
-    assert (full["prediction"] == prefix["prediction"]).all()
     lp = [f"lp_{x}" for x in "ABCD"]
+    differ = full["prediction"] != prefix["prediction"]
+    assert not differ.any(), (f"session seed {session_seed}: predictions differ at", full[differ][lp].to_dict(
+        "records"), prefix[differ][lp].to_dict("records"))  # (seen once in session 27, not reproduced: which rows)
     diff = float(np.abs(full[lp].to_numpy() - prefix[lp].to_numpy()).max())
     run = json.loads((root / "prefix" / "run.json").read_text())
     share = run["tokens_computed"] / run["tokens_full_prompts"]
